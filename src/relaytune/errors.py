@@ -1,0 +1,19 @@
+"""The exceptions that map to the contract's exit codes."""
+
+
+class UserError(Exception):
+    """Bad configuration or data: the message says what and where. Exit code 2."""
+
+    exit_code = 2
+
+
+class StoppedEarly(Exception):
+    """Stopped on purpose (signal, time limit, unrecoverable OOM) with a checkpoint
+    committed; running the same command again continues. Exit code 75."""
+
+    exit_code = 75
+
+    def __init__(self, message: str, step: int, checkpoint: str | None):
+        super().__init__(message)
+        self.step = step
+        self.checkpoint = checkpoint

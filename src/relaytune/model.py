@@ -1,0 +1,154 @@
+"""Load the base model and tokenizer and wrap the model with a LoRA adapter.
+
+One job: from a TrainConfig and the hardware, produce (model, tokenizer) ready
+to train. Precision, quantization, LoRA, gradient checkpointing and the pad
+token are decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import builtin
+from .config import TrainConfig
+from .errors import UserError
+from .log import notice
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the hardware and config settled on."""
+
+    device: torch.device
+    dtype: torch.dtype  # dtype of the frozen base weights
+    autocast: torch.dtype | None  # mixed-precision compute dtype, None for fp32
+    use_grad_scaler: bool  # fp16 needs loss scaling; bf16 and fp32 do not
+
+
+def choose_precision(cfg: TrainConfig) -> Precision:
+    """bf16 where supported, fp16 on GPUs without bf16 (a T4), fp32 on CPU."""
+    if not torch.cuda.is_available():
+        if cfg.bf16 or cfg.fp16:
+            notice("no GPU: training in float32 on the CPU (bf16/fp16 apply to GPUs only)")
+        return Precision(torch.device("cpu"), torch.float32, None, False)
+    device = torch.device("cuda", torch.cuda.current_device())
+    has_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    if cfg.bf16 and not has_bf16:
+        notice(f"{torch.cuda.get_device_name(device)} has no bfloat16; using fp16 with a gradient scaler")
+        return Precision(device, torch.float16, torch.float16, True)
+    if cfg.fp16:
+        return Precision(device, torch.float16, torch.float16, True)
+    if cfg.bf16 is False:
+        return Precision(device, torch.float32, None, False)
+    if has_bf16:
+        return Precision(device, torch.bfloat16, torch.bfloat16, False)
+    return Precision(device, torch.float16, torch.float16, True)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where from_pretrained reads: a folder or Hub id, plus a GGUF file name if any."""
+
+    path: str
+    gguf_file: str | None = None
+    label: str = ""
+
+
+def resolve_source(cfg: TrainConfig) -> ModelSource:
+    name = cfg.model
+    if name.startswith("builtin:"):
+        return ModelSource(str(builtin.cached_model_dir(name)), None, name)
+    p = Path(os.path.expanduser(name))
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise UserError(f"`model`: GGUF file {p} not found")
+        return ModelSource(str(p.parent), p.name, name)
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise UserError(f"`model`: {p} is not a model folder (it has no config.json)")
+        return ModelSource(str(p), None, name)
+    if name.startswith((".", "/", "~")):
+        raise UserError(f"`model`: {name} does not exist")
+    return ModelSource(name, None, name)  # a Hub id
+
+
+def load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
+
+    src = resolve_source(cfg)
+    tok = _from_pretrained(AutoTokenizer, src, cfg)
+    if tok.pad_token is None:
+        # Pad positions carry no loss and no attention, so any id works; eos is always there.
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+        if tok.pad_token is None:
+            raise UserError(f"`model`: the tokenizer of {src.label} has no eos, unk or pad token to pad with")
+    tok.padding_side = "right"
+    return tok
+
+
+def load_model(cfg: TrainConfig, precision: Precision):
+    """The base model with a fresh LoRA adapter on it, ready for training."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_source(cfg)
+    kwargs: dict = {"dtype": precision.dtype}
+    quantized = cfg.load_in_4bit or cfg.load_in_8bit
+    if quantized:
+        kwargs["quantization_config"] = _bnb_config(cfg, precision)
+        kwargs["device_map"] = {"": precision.device.index if precision.device.type == "cuda" else "cpu"}
+    model = _from_pretrained(AutoModelForCausalLM, src, cfg, **kwargs)
+    if not quantized:
+        model.to(precision.device)
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks with frozen inputs (seed 1, trap 1)
+    if quantized:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs=gc_kwargs)
+    elif cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        model.enable_input_require_grads()
+    lora = LoraConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules, bias="none", task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as e:
+        raise UserError(f"`lora_target_modules`: {e}") from None
+    return model
+
+
+def _bnb_config(cfg: TrainConfig, precision: Precision):
+    from transformers import BitsAndBytesConfig
+
+    if cfg.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+               "auto": precision.autocast or torch.float32}[cfg.bnb_4bit_compute_dtype]
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=compute,
+    )
+
+
+def _from_pretrained(cls, src: ModelSource, cfg: TrainConfig, **kwargs):
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
+    try:
+        return cls.from_pretrained(src.path, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not cfg.trust_remote_code:
+            raise UserError(
+                f"`model`: {src.label} ships its own Python code, and relaytune does not run "
+                "downloaded code unless you say so. If you trust its authors, set "
+                "`trust_remote_code: true`; otherwise pick a model that transformers supports natively."
+            ) from None
+        raise
+    except OSError as e:
+        raise UserError(f"`model`: cannot load {src.label}: {str(e).splitlines()[0]}") from None

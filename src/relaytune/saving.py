@@ -1,0 +1,102 @@
+"""When and how the recipe saves: triggers, background commits, retention, failures.
+
+The recipe calls `saver.due(step)` and `saver.save(...)`; everything about
+timing, at-most-one-in-flight, disk errors and retention is here.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from pathlib import Path
+
+from . import __version__
+from .checkpoint import AsyncSaver, CheckpointStore, commit_folder
+from .config import TrainConfig
+from .log import info, warn
+from .state import adapter_files
+
+
+def library_versions() -> dict:
+    import peft
+    import torch
+    import transformers
+
+    return {"relaytune": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "peft": peft.__version__}
+
+
+class Saver:
+    def __init__(self, cfg: TrainConfig, store: CheckpointStore, config_hash: str):
+        self.cfg = cfg
+        self.store = store
+        self.meta = {"config_hash": config_hash, "versions": library_versions()}
+        self.writer = AsyncSaver()
+        self.last_save_time = time.monotonic()
+        self.last_saved_step: int | None = None
+        self.blocked_seconds = 0.0  # time the loop waited on snapshots, for the log
+        self.save_seconds = 1.0  # measured duration of one whole save, for the deadline
+        self.failures = 0
+        self.protect: set[int] = set()  # the best checkpoint's step: retention keeps it
+        self.force_step: int | None = None  # a new best eval: save this step whatever the interval
+
+    def due(self, step: int, total: int) -> bool:
+        if step == self.last_saved_step or step >= total:
+            return False  # the final save covers the last step
+        if step % self.cfg.save_steps == 0 or step == self.force_step:
+            return True
+        interval = self.cfg.save_every_seconds
+        return interval > 0 and time.monotonic() - self.last_save_time >= interval
+
+    def save(self, files_fn, step: int, wait: bool = False) -> Path | None:
+        """Snapshot now (blocking, short), commit in the background unless `wait`.
+
+        Returns the committed path when waiting; None otherwise or if the save failed.
+        """
+        self._collect_previous()
+        t0 = time.monotonic()
+        files = files_fn()
+        self.blocked_seconds += time.monotonic() - t0
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = step
+
+        def job():
+            start = time.monotonic()
+            path = self.store.save(files, step, self.meta)
+            self.store.prune(self.cfg.save_total_limit, self.protect)
+            self.save_seconds = (time.monotonic() - t0) if wait else max(time.monotonic() - start, 0.01)
+            return path
+
+        if not wait:
+            self.writer.submit(job)
+            return None
+        try:
+            return job()
+        except OSError as e:
+            self._report(e, step)
+            return None
+
+    def flush(self) -> None:
+        """Wait for the save in flight; a failure is reported, never raised."""
+        self._collect_previous()
+
+    def _collect_previous(self) -> None:
+        try:
+            self.writer.wait()
+        except OSError as e:
+            self._report(e, self.last_saved_step)
+
+    def _report(self, e: OSError, step: int | None) -> None:
+        self.failures += 1
+        self.last_saved_step = None  # the next trigger tries again
+        what = {errno.ENOSPC: "the disk is full", errno.EIO: "the disk reported an I/O error",
+                errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno, str(e))
+        warn(f"checkpoint at step {step} failed ({what}); the previous checkpoint is intact, "
+             "training continues and the next save tries again")
+
+    def commit_final(self, model, out_dir: Path) -> Path:
+        self._collect_previous()
+        files = adapter_files(model)
+        path = commit_folder(files, out_dir / "final", {"kind": "final", **self.meta})
+        info(f"final adapter written to {path}")
+        return path

@@ -1,0 +1,174 @@
+"""Training state to and from checkpoint files: safetensors and JSON, never pickle.
+
+Every piece of state has one pair here: the adapter, the optimizer, the
+scheduler, the gradient scaler, all RNGs, the data cursor, the counters and the
+metrics history. `snapshot` turns live objects into file bytes (cheap: LoRA
+state is small); `restore` puts them back bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load, save
+
+ADAPTER = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER = "optimizer.safetensors"
+RNG = "rng.safetensors"
+TRAINER_STATE = "trainer_state.json"
+METRICS = "metrics.jsonl"
+
+
+@dataclass
+class Counters:
+    """Everything about progress that is not a tensor."""
+
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0
+    batch_in_epoch: int = 0  # the data cursor: next global batch of `epoch`
+    tokens_seen: int = 0
+    micro_batch_size: int = 1
+    accumulation: int = 1
+    lr_scale: float = 1.0
+    skipped_steps: int = 0
+    consecutive_bad_steps: int = 0
+    last_eval_loss: float | None = None
+    best_eval_loss: float | None = None
+    best_step: int | None = None
+    window_loss: float = 0.0  # loss summed over the current logging window
+    window_steps: int = 0
+    sessions: list = field(default_factory=list)
+
+
+def adapter_files(model) -> dict[str, bytes]:
+    """The adapter in PEFT format: loadable on its own with PeftModel.from_pretrained."""
+    from peft.utils import get_peft_model_state_dict
+
+    weights = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    config = model.peft_config["default"].to_dict()
+    config["inference_mode"] = True
+    for k, v in list(config.items()):
+        if isinstance(v, set):
+            config[k] = sorted(v)
+    return {
+        ADAPTER: save(weights, metadata={"format": "pt"}),
+        ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True, default=str).encode(),
+    }
+
+
+def snapshot(model, optimizer, scheduler, scaler, counters: Counters, extra: dict,
+             metrics_text: str, include_optimizer: bool = True) -> dict[str, bytes]:
+    files = adapter_files(model)
+    if include_optimizer:
+        tensors, meta = _flatten_optimizer(optimizer.state_dict())
+        files[OPTIMIZER] = save(tensors, metadata={"relaytune": json.dumps(meta)})
+    files[RNG] = save(_torch_rng())
+    state = {
+        "counters": asdict(counters),
+        "scheduler": _scheduler_state(scheduler),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "python_rng": _python_rng(),
+        "numpy_rng": _numpy_rng(),
+        "has_optimizer": include_optimizer,
+        **extra,
+    }
+    files[TRAINER_STATE] = json.dumps(state, indent=1, sort_keys=True).encode()
+    files[METRICS] = metrics_text.encode()
+    return files
+
+
+def read_trainer_state(path: Path) -> dict:
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def restore(path: Path, model, optimizer, scheduler, scaler) -> Counters:
+    """Load a verified checkpoint folder into the live objects; returns the counters."""
+    from peft.utils import set_peft_model_state_dict
+
+    state = read_trainer_state(path)
+    weights = load((path / ADAPTER).read_bytes())
+    result = set_peft_model_state_dict(model, weights)
+    if getattr(result, "unexpected_keys", None):
+        raise RuntimeError(f"{path}: adapter has unexpected keys {result.unexpected_keys[:3]}")
+    if state["has_optimizer"]:
+        raw = (path / OPTIMIZER).read_bytes()
+        optimizer.load_state_dict(_unflatten_optimizer(load(raw), _safetensors_meta(raw)))
+    if state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    _set_rng(load((path / RNG).read_bytes()), state["python_rng"], state["numpy_rng"])
+    return Counters(**state["counters"])
+
+
+def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, scalars = {}, {}
+    for idx, per_param in sd["state"].items():
+        for name, value in per_param.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{idx}.{name}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = value
+    for key, value in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _safetensors_meta(raw: bytes) -> dict:
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    return json.loads(header["__metadata__"]["relaytune"])
+
+
+def _scheduler_state(scheduler) -> dict | None:
+    if scheduler is None:
+        return None
+    sd = scheduler.state_dict()
+    sd["lr_lambdas"] = [None] * len(sd.get("lr_lambdas", []))
+    return sd
+
+
+def _torch_rng() -> dict[str, torch.Tensor]:
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda.{i}"] = s
+    return out
+
+
+def _python_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _numpy_rng() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+            "cached": float(cached)}
+
+
+def _set_rng(tensors: dict[str, torch.Tensor], python_state: list, numpy_state: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    np.random.set_state((numpy_state["name"], np.asarray(numpy_state["keys"], dtype=np.uint32),
+                         numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached"]))

@@ -1,0 +1,226 @@
+"""The recipe: LoRA / QLoRA supervised fine-tuning, top to bottom.
+
+    set-up:  config -> data (before any model loads) -> model -> optimizer -> resume
+    loop:    one global batch per optimizer step, split into micro-batches;
+             log, evaluate, checkpoint; stop cleanly on a signal or the deadline
+    finish:  commit final/ and return
+
+Exactness rests on three rules kept here: the global batch of step s is a pure
+function of (seed, s); the loss is normalised by the target tokens of the whole
+global batch, so the micro-batch size does not change the maths; and every
+piece of state is saved and restored at a step boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import faults
+from .checkpoint import CheckpointStore, verify
+from .config import TrainConfig, parse_duration
+from .config_loader import load_config
+from .data import prepare_data
+from .errors import StoppedEarly, UserError
+from .guards import Deadline, StopRequest
+from .log import info, warn
+from .metrics import MetricsLog
+from .model import choose_precision, load_model, load_tokenizer
+from .optim import build_optimizer, build_scheduler, warmup_steps
+from .order import DataOrder, count_targets, micro_batches, total_steps
+from .resume import check_compatible, choose_checkpoint
+from .saving import Saver
+from .state import Counters, read_trainer_state, restore, snapshot
+
+
+@dataclass
+class RunResult:
+    status: str  # "finished" or "already finished"
+    step: int
+    output_dir: Path
+    final_adapter: Path
+
+
+def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
+    """Train, or continue the run in the config's output_dir. The CLI calls exactly this."""
+    cfg = load_config(config, overrides)
+    out = Path(cfg.output_dir).expanduser().resolve()
+    if verify(out / "final") is None:
+        info(f"{out} holds a finished run (final/ is committed); nothing to do")
+        return RunResult("already finished", -1, out, out / "final")
+
+    # --- set-up: everything that can reject the config happens before the model loads
+    out.mkdir(parents=True, exist_ok=True)
+    store = CheckpointStore(out / "checkpoints")
+    store.startup_cleanup()
+    start_from = choose_checkpoint(cfg, store, fresh)
+    precision = choose_precision(cfg)
+    tokenizer = load_tokenizer(cfg)
+    data = prepare_data(cfg, tokenizer)
+    order = DataOrder(len(data.train), cfg.global_batch_size, cfg.seed)
+    total = total_steps(len(data.train), cfg.global_batch_size, cfg.num_train_epochs, cfg.max_steps)
+    if warmup_steps(cfg, total) >= total:
+        raise UserError(f"warmup ({warmup_steps(cfg, total)} steps) is not shorter than the run "
+                        f"({total} steps); lower warmup_steps / warmup_ratio")
+    saved = read_trainer_state(start_from) if start_from else None
+    if saved:
+        check_compatible(saved["config"], cfg, data.fingerprint, saved["data_fingerprint"])
+    deadline = Deadline(parse_duration(cfg.time_limit) if cfg.time_limit else None, "time_limit")
+
+    torch.manual_seed(cfg.seed)  # the LoRA initialisation; a resume overwrites it
+    model = load_model(cfg, precision)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, total)
+    scaler = torch.amp.GradScaler("cuda") if precision.use_grad_scaler else None
+    metrics = MetricsLog(out / "metrics.jsonl")
+    config_dump = cfg.model_dump(mode="json")
+    saver = Saver(cfg, store, hashlib.sha256(json.dumps(config_dump, sort_keys=True).encode()).hexdigest()[:16])
+    if start_from:
+        c = restore(start_from, model, optimizer, scheduler, scaler)
+        metrics.reset_to((start_from / "metrics.jsonl").read_text())
+    else:
+        c = Counters(micro_batch_size=cfg.per_device_train_batch_size,
+                     accumulation=cfg.gradient_accumulation_steps)
+        metrics.reset_to("")
+    c.sessions.append({"started": time.time(), "from_step": c.step})
+    info(f"{len(data.train)} training rows, global batch {cfg.global_batch_size}, "
+         f"{total} steps; starting at step {c.step}; {precision.device} {str(precision.dtype)[6:]}")
+
+    def checkpoint_files():
+        extra = {"config": config_dump, "data_fingerprint": data.fingerprint, "total_steps": total}
+        return snapshot(model, optimizer, scheduler, scaler, c, extra, metrics.text(),
+                        include_optimizer=not cfg.save_only_model)
+
+    # --- loop
+    model.train()
+    step_seconds = 0.0
+    bar = tqdm(total=total, initial=c.step, desc="train", unit="step", dynamic_ncols=True)
+    try:
+        with StopRequest() as stop:
+            while c.step < total:
+                t0 = time.monotonic()
+                rows = [data.train[i] for i in order.batch_rows(c.step)]
+                loss, grad_norm, updated = optimizer_step(model, optimizer, scaler, rows, c, cfg,
+                                                          precision, tokenizer.pad_token_id)
+                lr = optimizer.param_groups[0]["lr"]
+                scheduler.step()
+                c.step += 1
+                cursor = order.cursor(c.step)
+                c.epoch, c.batch_in_epoch = cursor.epoch, cursor.batch
+                c.tokens_seen += sum(len(r.input_ids) for r in rows)
+                step_seconds = time.monotonic() - t0 if step_seconds == 0 else 0.9 * step_seconds + 0.1 * (time.monotonic() - t0)
+                tok_s = sum(len(r.input_ids) for r in rows) / max(time.monotonic() - t0, 1e-9)
+                if not updated:
+                    c.skipped_steps += 1
+                    metrics.write({"step": c.step, "event": "skipped_step", "loss": loss, "grad_norm": grad_norm})
+                c.window_loss += loss if math.isfinite(loss) else 0.0
+                c.window_steps += 1
+                if c.step % cfg.logging_steps == 0 or c.step == total:
+                    metrics.write({"step": c.step, "loss": round(c.window_loss / c.window_steps, 6),
+                                   "learning_rate": lr, "grad_norm": grad_norm, "epoch": round(c.step / order.steps_per_epoch, 4),
+                                   "tokens_seen": c.tokens_seen, "tokens_per_second": round(tok_s, 1)})
+                    c.window_loss, c.window_steps = 0.0, 0
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
+                if data.eval and cfg.eval_steps and c.step % cfg.eval_steps == 0 and c.step < total:
+                    record_eval(model, data.eval, c, cfg, precision, tokenizer.pad_token_id, metrics, saver)
+                faults.reach("step:end")
+                if stop.requested or deadline.must_stop(step_seconds, saver.save_seconds):
+                    stop_and_save(saver, checkpoint_files, c, stop, deadline)
+                if saver.due(c.step, total):
+                    saver.save(checkpoint_files, c.step)
+
+        # --- finish
+        if data.eval:
+            record_eval(model, data.eval, c, cfg, precision, tokenizer.pad_token_id, metrics, saver)
+        saver.flush()
+        final = saver.commit_final(model, out)
+        metrics.write({"step": c.step, "event": "finished", "skipped_steps": c.skipped_steps})
+        return RunResult("finished", c.step, out, final)
+    finally:
+        bar.close()
+        saver.writer.wait_quietly()
+        del model, optimizer, scheduler
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def optimizer_step(model, optimizer, scaler, rows, c: Counters, cfg: TrainConfig, precision, pad_id):
+    """Forward and backward over every micro-batch of one global batch, then one update.
+
+    Returns (loss, grad_norm, updated). The loss of each micro-batch is its summed
+    token loss divided by the target tokens of the *whole* global batch, so the
+    accumulated gradient is the same whatever the micro-batch size.
+    """
+    n_targets = count_targets(rows)
+    autocast = (torch.autocast(precision.device.type, dtype=precision.autocast)
+                if precision.autocast else contextlib.nullcontext())
+    total_loss = torch.zeros((), device=precision.device)
+    for i, batch in enumerate(micro_batches(rows, c.micro_batch_size, pad_id)):
+        batch = {k: v.to(precision.device) for k, v in batch.items()}
+        if faults.oom_now(c.step, i):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
+        with autocast:
+            loss = model(**batch, num_items_in_batch=n_targets).loss
+        if i == 0 and faults.nan_now(c.step):
+            loss = loss * float("nan")
+        (scaler.scale(loss) if scaler else loss).backward()
+        total_loss += loss.detach().float()
+    if scaler:
+        scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    loss_value, norm_value = total_loss.item(), norm.item()
+    updated = math.isfinite(loss_value) and math.isfinite(norm_value)
+    if scaler:
+        scaler.step(optimizer)  # skips by itself on inf/nan gradients
+        scaler.update()
+    elif updated:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value, updated
+
+
+def record_eval(model, rows, c: Counters, cfg, precision, pad_id, metrics: MetricsLog, saver: Saver) -> float:
+    """Token-weighted mean loss over the eval rows. Uses no RNG (dropout is off)."""
+    model.eval()
+    autocast = (torch.autocast(precision.device.type, dtype=precision.autocast)
+                if precision.autocast else contextlib.nullcontext())
+    total, count = 0.0, 0
+    with torch.no_grad(), autocast:
+        for batch in micro_batches(rows, c.micro_batch_size, pad_id):
+            batch = {k: v.to(precision.device) for k, v in batch.items()}
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += model(**batch, num_items_in_batch=1).loss.float().item()
+            count += n
+    model.train()
+    value = total / max(count, 1)
+    c.last_eval_loss = value
+    if c.best_eval_loss is None or value < c.best_eval_loss:
+        c.best_eval_loss, c.best_step = value, c.step
+        saver.protect, saver.force_step = {c.step}, c.step
+    metrics.write({"step": c.step, "eval_loss": round(value, 6)})
+    return value
+
+
+def stop_and_save(saver: Saver, files_fn, c: Counters, stop: StopRequest, deadline: Deadline):
+    why = stop.signal_name or f"time limit ({deadline.source})"
+    began = stop.at or time.monotonic()
+    c.sessions[-1].update({"ended": time.time(), "how": why, "at_step": c.step})
+    path = saver.save(files_fn, c.step, wait=True)
+    if path is None:
+        raise StoppedEarly(f"stopped by {why} at step {c.step}, but the checkpoint could not be written",
+                           c.step, None)
+    info(f"stopped by {why}: checkpoint {path.name} committed {time.monotonic() - began:.1f}s after "
+         "the request; run the same command to continue")
+    raise StoppedEarly(f"stopped by {why} at step {c.step}", c.step, str(path))
