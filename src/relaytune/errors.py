@@ -13,7 +13,8 @@ class StoppedEarly(Exception):
 
     exit_code = 75
 
-    def __init__(self, message: str, step: int, checkpoint: str | None):
+    def __init__(self, message: str, step: int, checkpoint: str | None, how: str = "stopped"):
         super().__init__(message)
+        self.how = how  # "signal", "time_limit", "oom", "nan": how the session ended
         self.step = step
         self.checkpoint = checkpoint

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 
@@ -43,3 +44,24 @@ def read_metrics(path: Path) -> list[dict]:
             if line.strip():
                 out.append(json.loads(line))
     return out
+
+
+class SessionLog:
+    """sessions.jsonl: one `start` record per session and one `end` record if it ended
+    on its own. A start without an end is a session that was killed."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.session = sum(1 for r in read_metrics(self.path) if r.get("event") == "start") + 1
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"session": self.session, "time": time.time(), **record}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def start(self, from_step: int, total_steps: int) -> None:
+        self._append({"event": "start", "pid": os.getpid(), "from_step": from_step, "total_steps": total_steps})
+
+    def end(self, how: str, at_step: int) -> None:
+        self._append({"event": "end", "how": how, "at_step": at_step})

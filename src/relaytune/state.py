@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,6 @@ class Counters:
     best_step: int | None = None
     window_loss: float = 0.0  # loss summed over the current logging window
     window_steps: int = 0
-    sessions: list = field(default_factory=list)
 
 
 def adapter_files(model) -> dict[str, bytes]:

@@ -33,7 +33,7 @@ from .data import prepare_data
 from .errors import StoppedEarly, UserError
 from .guards import Deadline, StopRequest
 from .log import info, warn
-from .metrics import MetricsLog
+from .metrics import MetricsLog, SessionLog
 from .model import choose_precision, load_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler, warmup_steps
 from .order import DataOrder, count_targets, micro_batches, total_steps
@@ -91,7 +91,8 @@ def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
         c = Counters(micro_batch_size=cfg.per_device_train_batch_size,
                      accumulation=cfg.gradient_accumulation_steps)
         metrics.reset_to("")
-    c.sessions.append({"started": time.time(), "from_step": c.step})
+    sessions = SessionLog(out / "sessions.jsonl")
+    sessions.start(from_step=c.step, total_steps=total)
     info(f"{len(data.train)} training rows, global batch {cfg.global_batch_size}, "
          f"{total} steps; starting at step {c.step}; {precision.device} {str(precision.dtype)[6:]}")
 
@@ -145,7 +146,14 @@ def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
         saver.flush()
         final = saver.commit_final(model, out)
         metrics.write({"step": c.step, "event": "finished", "skipped_steps": c.skipped_steps})
+        sessions.end("finished", c.step)
         return RunResult("finished", c.step, out, final)
+    except StoppedEarly as e:
+        sessions.end(e.how, c.step)
+        raise
+    except BaseException as e:
+        sessions.end(f"error: {type(e).__name__}", c.step)
+        raise
     finally:
         bar.close()
         saver.writer.wait_quietly()
@@ -216,11 +224,11 @@ def record_eval(model, rows, c: Counters, cfg, precision, pad_id, metrics: Metri
 def stop_and_save(saver: Saver, files_fn, c: Counters, stop: StopRequest, deadline: Deadline):
     why = stop.signal_name or f"time limit ({deadline.source})"
     began = stop.at or time.monotonic()
-    c.sessions[-1].update({"ended": time.time(), "how": why, "at_step": c.step})
     path = saver.save(files_fn, c.step, wait=True)
     if path is None:
         raise StoppedEarly(f"stopped by {why} at step {c.step}, but the checkpoint could not be written",
-                           c.step, None)
+                           c.step, None, how="signal" if stop.signal_name else "time_limit")
     info(f"stopped by {why}: checkpoint {path.name} committed {time.monotonic() - began:.1f}s after "
          "the request; run the same command to continue")
-    raise StoppedEarly(f"stopped by {why} at step {c.step}", c.step, str(path))
+    raise StoppedEarly(f"stopped by {why} at step {c.step}", c.step, str(path),
+                       how="signal" if stop.signal_name else "time_limit")
