@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from . import faults
 from .log import info, warn
@@ -49,9 +50,13 @@ def write_file(path: Path, data: bytes) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
-def commit_folder(files: dict[str, bytes], target: Path, meta: dict) -> Path:
-    """Write `files` as the folder `target` by the commit protocol."""
+def commit_folder(files: dict[str, bytes | Callable[[], bytes]], target: Path, meta: dict) -> Path:
+    """Write `files` as the folder `target` by the commit protocol.
+
+    A value may be a callable that returns the bytes: it runs here, in the writing thread.
+    """
     faults.reach("save:begin")
+    files = {name: data() if callable(data) else data for name, data in files.items()}
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f"{TMP_PREFIX}{target.name}-{uuid.uuid4().hex[:8]}"
@@ -133,6 +138,13 @@ class CheckpointStore:
             elif not STEP_DIR.match(p.name):
                 warn(f"{p} is not ours; leaving it alone")
 
+    def remove_unfinished_final(self, out_dir: Path) -> None:
+        """A kill inside the final commit leaves our tmp folder beside final/."""
+        for p in sorted(Path(out_dir).glob(f"{TMP_PREFIX}*")):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+                info(f"removed an unfinished save of ours: {p.name}")
+
     def step_dirs(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
             return []
@@ -152,14 +164,17 @@ class CheckpointStore:
     def save(self, files: dict[str, bytes], step: int, meta: dict) -> Path:
         return commit_folder(files, self.root / f"step-{step}", {"step": step, **meta})
 
-    def prune(self, keep: int | None, protect: set[int] = frozenset()) -> None:
+    def prune(self, keep: int | None, protect: set[int] = frozenset(), upto: int | None = None) -> None:
         """Delete committed checkpoints beyond the newest `keep`, never one in `protect`.
 
         Only called after a commit, so space is freed only once the new one is safe.
+        `upto` is the step just committed: newer folders (left by an earlier session,
+        perhaps corrupt) do not count, so the checkpoint just written is never deleted.
         """
         if keep is None:
             return
-        committed = [(s, p) for s, p in self.step_dirs() if (p / MANIFEST).is_file()]
+        committed = [(s, p) for s, p in self.step_dirs()
+                     if (p / MANIFEST).is_file() and (upto is None or s <= upto)]
         for step, path in committed[:-keep] if len(committed) > keep else []:
             if step in protect:
                 continue

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from .data_spec import DatasetSource, Format, check_columns
+
 BUILTIN_MODEL = "builtin:SmolLM2-135M-Instruct"
 
 # Keys that may be written under another name, as in TRL / axolotl configs.
@@ -28,8 +30,11 @@ class TrainConfig(BaseModel):
     model: str = BUILTIN_MODEL
     """Base model: a Hub id, a local folder, a .gguf file, or the built-in default
     `builtin:SmolLM2-135M-Instruct` (aliases: model_name_or_path, base_model)."""
-    dataset: str
-    """Training data: a .jsonl/.json/.csv/.parquet file, a folder of them, or a Hub dataset id."""
+    dataset: str | list[str | DatasetSource]
+    """Training data: a .jsonl/.json/.csv/.parquet file, a folder of them, a saved `datasets`
+    folder, or a Hub dataset id (id:split for a split). To mix several: a list of
+    {path, weight, split, subset, format, columns}; weight 2 uses each row twice per epoch, 0.3 a
+    seeded 30% of the rows."""
     output_dir: str
     """Run folder: checkpoints/, final/ and metrics.jsonl live here. Re-running continues the run in it."""
     trust_remote_code: bool = False
@@ -38,17 +43,57 @@ class TrainConfig(BaseModel):
 
     # --- data ------------------------------------------------------------------
     max_seq_length: int = 1024
-    """Longest sequence in tokens (alias max_length); longer rows are truncated and counted."""
+    """Longest sequence in tokens (alias max_length); longer rows: see on_long_rows."""
     dataset_text_field: str = "text"
     """Column that holds plain text, for plain-text data."""
     train_on_inputs: bool = False
     """Compute the loss on prompt tokens too. Off: loss only on assistant / response tokens."""
     packing: bool = False
-    """Pack several short rows into one sequence of max_seq_length tokens."""
+    """Pack several short rows into one sequence of max_seq_length tokens (best-fit decreasing,
+    fixed by the seed). Packed rows never attend to each other: each has its own positions."""
     val_set_size: float = 0.0
     """Hold out part of the training data for evaluation: a fraction (<1) or a row count (>=1)."""
     eval_dataset: str | None = None
     """A separate evaluation data file; overrides val_set_size."""
+    dataset_format: Format = "auto"
+    """Row format: auto (recognised per row), text, alpaca (instruction/input/output, optional
+    system), messages (OpenAI role/content), sharegpt (conversations of from/value), or
+    prompt_completion (strings, or lists of messages)."""
+    dataset_columns: dict[str, str] | None = None
+    """Your column names for the standard fields, e.g. {instruction: question, output: answer}.
+    Fields: text, instruction, input, output, system, prompt, completion, messages,
+    conversations, role, content, from, value."""
+    chat_template: str | None = None
+    """Chat template for chat rows. Unset: the tokenizer's own (a plain '### Role:' format if it
+    has none). Or a name: chatml, llama3, gemma, mistral, phi3, zephyr, plain; or a .jinja file."""
+    on_long_rows: Literal["truncate", "drop", "error"] = "truncate"
+    """Rows longer than max_seq_length: truncate them, drop them (listed in quarantine.jsonl),
+    or stop with an error that names them."""
+    max_bad_fraction: float = 0.01
+    """Stop before training when more than this fraction of rows is unusable (0 to 1). Bad rows
+    are listed in output_dir/quarantine.jsonl with file:line and reason."""
+    dataset_cache: bool = True
+    """Cache the tokenized data in output_dir/data-cache/, so that a resumed run, in any new
+    session, does not tokenize again. Any change that matters re-tokenizes."""
+
+    @field_validator("dataset_columns")
+    @classmethod
+    def _columns(cls, v):
+        return check_columns(v)
+
+    @field_validator("dataset")
+    @classmethod
+    def _some_data(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("the list of datasets is empty")
+        return v
+
+    @field_validator("max_bad_fraction")
+    @classmethod
+    def _bad_fraction(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise ValueError("must be between 0 and 1")
+        return v
 
     # --- schedule --------------------------------------------------------------
     num_train_epochs: float = 3.0
@@ -111,6 +156,16 @@ class TrainConfig(BaseModel):
     lora_target_modules: list[str] | str = "all-linear"
     """Modules that get adapters: a list of names, or all-linear (every linear layer but the head)."""
 
+    # --- recovery inside the run --------------------------------------------------
+    max_bad_steps: int = 3
+    """After this many optimizer steps in a row with a NaN/Inf loss or gradient (each one is
+    skipped, not applied), roll back to the last checkpoint (see on_repeated_nan)."""
+    on_repeated_nan: Literal["lower_lr", "stop"] = "lower_lr"
+    """lower_lr: roll back and continue with the learning rate times nan_lr_factor;
+    stop: roll back and stop with a diagnosis."""
+    nan_lr_factor: float = 0.5
+    """Learning-rate multiplier applied at each NaN rollback."""
+
     # --- logging, evaluation, checkpoints ----------------------------------------
     logging_steps: int = 10
     """Write a metrics.jsonl record every this many steps."""
@@ -129,8 +184,45 @@ class TrainConfig(BaseModel):
     resume_from_checkpoint: bool | str = "auto"
     """auto: continue from the newest valid checkpoint; a path: continue from it;
     false: refuse to touch an existing run (use --fresh to start over)."""
+    mirror_to: str | None = None
+    """Copy each committed checkpoint to durable storage in the background: a folder (e.g. a
+    mounted Google Drive) or an fsspec URL (s3://, gs://, hf://). A new session with an empty
+    output_dir restores from it."""
+    deadline: str | None = None
+    """Stop, save and exit 75 before this wall-clock time (ISO 8601, e.g. 2026-12-01T06:00:00Z)."""
     time_limit: str | None = None
     """Stop, save and exit 75 before this much wall time has passed, e.g. 11h30m or 90m."""
+
+    # --- looking inside a run: trackers and the best checkpoint --------------------
+    report_to: str | list[str] = "none"
+    """Experiment trackers besides metrics.jsonl (always written): none, tensorboard, wandb,
+    trackio, mlflow, all, or a list. A resumed run continues the same tracker run at the right
+    step. A tracker that fails to import or to connect is warned about once; training goes on."""
+    run_name: str | None = None
+    """Name of the run in trackers. Unset: the output_dir folder name."""
+    load_best_model_at_end: bool = False
+    """End with the adapter of the lowest eval loss in final/ (needs eval data). Either way
+    best/ holds the best adapter and final/ the chosen one."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, v):
+        names = [v] if isinstance(v, str) else list(v or ["none"])
+        names = [n.strip().lower() for item in names for n in str(item).split(",") if n.strip()]
+        known = ("tensorboard", "wandb", "trackio", "mlflow")
+        if "all" in names:
+            names = list(known)
+        bad = [n for n in names if n not in known + ("none",)]
+        if bad:
+            raise ValueError(f"unknown tracker {bad[0]!r}; choose from none, {', '.join(known)}, all")
+        names = [n for n in names if n != "none"]
+        return names if len(names) > 1 else (names[0] if names else "none")
+
+    @model_validator(mode="after")
+    def _best_needs_eval(self) -> "TrainConfig":
+        if self.load_best_model_at_end and not (self.eval_dataset or self.val_set_size > 0):
+            raise ValueError("load_best_model_at_end needs eval data: set eval_dataset or val_set_size")
+        return self
 
     @field_validator("model", "dataset", "output_dir")
     @classmethod
@@ -168,6 +260,27 @@ class TrainConfig(BaseModel):
     def _duration(cls, v: str | None) -> str | None:
         if v is not None:
             parse_duration(v)
+        return v
+
+    @field_validator("deadline")
+    @classmethod
+    def _timestamp(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_timestamp(v)
+        return v
+
+    @field_validator("max_bad_steps")
+    @classmethod
+    def _at_least_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("nan_lr_factor")
+    @classmethod
+    def _shrink(cls, v: float) -> float:
+        if not 0 < v < 1:
+            raise ValueError("must be between 0 and 1 (excluded)")
         return v
 
     @model_validator(mode="after")
@@ -208,9 +321,21 @@ def parse_duration(text: str) -> float:
     return float(((d * 24 + h) * 60 + m) * 60 + sec)
 
 
+def parse_timestamp(text: str) -> float:
+    """ISO 8601 time -> Unix seconds; a time without a zone is local time."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(str(text).strip().replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO 8601 time; write e.g. 2026-12-01T06:00:00Z") from None
+
+
 # Keys whose change between sessions breaks exact continuation.
 HARMLESS_KEYS = {
     "logging_steps", "eval_steps", "save_steps", "save_every_seconds", "save_total_limit",
-    "save_only_model", "resume_from_checkpoint", "time_limit", "output_dir",
+    "save_only_model", "resume_from_checkpoint", "time_limit", "deadline", "mirror_to", "output_dir",
+    "max_bad_steps", "on_repeated_nan", "report_to", "run_name", "load_best_model_at_end",
     "per_device_train_batch_size", "gradient_accumulation_steps", "eval_dataset",
+    "dataset_cache", "max_bad_fraction",  # the data fingerprint still guards the rows themselves
 }

@@ -73,15 +73,15 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, str]]:
 
 
 def _apply_aliases(raw: dict, where: dict[str, str]) -> tuple[dict, dict[str, str]]:
-    out, out_where = {}, {}
+    out, out_where, written = {}, {}, {}
     for key, value in raw.items():
         canonical = ALIASES.get(key, key)
         if canonical in out:
             raise UserError(
-                f"{where.get(key, key)}: `{key}` and `{canonical}` name the same setting; keep one"
-            )
+                f"{where.get(key, key)}: `{written[canonical]}` and `{key}` name the same setting; keep one")
         out[canonical] = value
         out_where[canonical] = where.get(key, "")
+        written[canonical] = key
     return out, out_where
 
 
@@ -119,10 +119,21 @@ def _at(where: dict[str, str], key: str) -> str:
 
 def _explain(error: ValidationError, raw: dict, where: dict[str, str]) -> str:
     lines = []
-    for item in error.errors():
+    items = error.errors()
+    # A union (e.g. dataset: str | list) reports one error per alternative; the deepest is the real one.
+    deepest: dict[str, int] = {}
+    for item in items:
+        loc = item.get("loc") or ()
+        deepest[str(loc[0]) if loc else ""] = max(deepest.get(str(loc[0]) if loc else "", 0), len(loc))
+    for item in items:
         loc = item.get("loc") or ()
         key = str(loc[0]) if loc else ""
+        if len(loc) < deepest.get(key, 0):
+            continue
         msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden" and len(loc) > 1:
+            lines.append(_nested_unknown_key(loc, where))
+            continue
         if item["type"] == "missing":
             lines.append(f"`{key}` is required: {TrainConfig.model_fields[key].description}")
             continue
@@ -133,6 +144,18 @@ def _explain(error: ValidationError, raw: dict, where: dict[str, str]) -> str:
         else:
             lines.append(msg)
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _nested_unknown_key(loc: tuple, where: dict[str, str]) -> str:
+    """`wieght` inside a `dataset:` list entry: name the entry and suggest the field."""
+    from .data_spec import DatasetSource
+
+    key, bad = str(loc[0]), str(loc[-1])
+    index = next((p for p in loc[1:] if isinstance(p, int)), 0)
+    fields = list(DatasetSource.model_fields)
+    close = difflib.get_close_matches(bad, fields, n=1, cutoff=0.6)
+    hint = f"; did you mean `{close[0]}`?" if close else f"; an entry takes {', '.join(fields)}"
+    return f"{_at(where, key)}`{key}[{index}]`: `{bad}` is not a key{hint}"
 
 
 def _allowed(key: str) -> str:

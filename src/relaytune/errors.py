@@ -18,3 +18,10 @@ class StoppedEarly(Exception):
         self.how = how  # "signal", "time_limit", "oom", "nan": how the session ended
         self.step = step
         self.checkpoint = checkpoint
+
+
+class TrainingDiverged(Exception):
+    """Training cannot go on as configured (repeated NaNs with on_repeated_nan: stop, or an
+    OOM at micro-batch 1 with no checkpoint written). The message is the diagnosis. Exit code 1."""
+
+    exit_code = 1

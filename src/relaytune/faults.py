@@ -10,17 +10,24 @@ RELAYTUNE_CRASH_AT="point:N[,point:N...]"
 RELAYTUNE_FAIL_AT="point:N:errno"
     Raise OSError(errno) (e.g. 28 = ENOSPC, 5 = EIO) at the N-th time `point`
     is reached, as a full or failing disk would.
+RELAYTUNE_FILL_AT="point:N" with RELAYTUNE_FILL_FILE=/path/on/the/same/filesystem
+    Fill the filesystem (by writing that file until the kernel says ENOSPC) the
+    N-th time `point` is reached; every write after that fails for real.
 RELAYTUNE_OOM_AT="step:micro[,step:micro...]"
     Raise torch.OutOfMemoryError in the forward of that micro-batch (0-based)
     of that optimizer step (0-based), once each.
 RELAYTUNE_NAN_AT="step[,step...]"
     Make the loss of that optimizer step NaN, once each.
+RELAYTUNE_SLOW_STEP=seconds
+    Sleep this long after every optimizer step, so that a tiny test model trains
+    slowly enough for a signal or a time limit to land mid-run.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
 
 _hits: Counter = Counter()
@@ -34,6 +41,8 @@ def _parse(name: str) -> list[list[str]]:
 
 def reach(point: str) -> None:
     """Mark that execution reached `point`; crash or fail here if a switch says so."""
+    if point == "step:end" and os.environ.get("RELAYTUNE_SLOW_STEP"):
+        time.sleep(float(os.environ["RELAYTUNE_SLOW_STEP"]))
     _hits[point] += 1
     n = _hits[point]
     for spec in _parse("RELAYTUNE_CRASH_AT"):
@@ -43,6 +52,26 @@ def reach(point: str) -> None:
         if ":".join(spec[:-2]) == point and int(spec[-2]) == n:
             err = int(spec[-1])
             raise OSError(err, f"{os.strerror(err)} (injected at {point}, occurrence {n})")
+    for spec in _parse("RELAYTUNE_FILL_AT"):
+        if ":".join(spec[:-1]) == point and int(spec[-1]) == n:
+            _fill_disk(os.environ["RELAYTUNE_FILL_FILE"])
+
+
+def _fill_disk(path: str) -> None:
+    chunk = b"\0" * (1 << 16)
+    with open(path, "ab") as fh:
+        try:
+            while True:
+                fh.write(chunk)
+                fh.flush()
+        except OSError:
+            pass
+        try:  # fill the last partial block too
+            while True:
+                fh.write(b"\0")
+                fh.flush()
+        except OSError:
+            pass
 
 
 def oom_now(step: int, micro: int) -> bool:

@@ -51,13 +51,12 @@ class Deadline:
 
     SAFETY = 1.25  # measured times vary; keep a quarter in reserve
 
-    def __init__(self, seconds: float | None, source: str):
-        self.start = time.monotonic()
-        self.seconds = seconds
+    def __init__(self, end: float | None, source: str):
+        self.end = end  # Unix time, or None for no limit
         self.source = source
 
     def remaining(self) -> float | None:
-        return None if self.seconds is None else self.seconds - (time.monotonic() - self.start)
+        return None if self.end is None else self.end - time.time()
 
     def must_stop(self, step_seconds: float, save_seconds: float) -> bool:
         left = self.remaining()

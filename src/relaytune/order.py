@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .data import IGNORE, TokenRow
+from .packing import position_ids
 
 
 @dataclass(frozen=True)
@@ -56,23 +57,49 @@ def total_steps(n_rows: int, global_batch: int, num_train_epochs: float, max_ste
     return max(1, math.ceil(num_train_epochs * math.ceil(n_rows / global_batch)))
 
 
-def micro_batches(rows: list[TokenRow], micro_batch_size: int, pad_id: int):
-    """Cut a global batch into padded micro-batches, keeping row order."""
+def micro_batches(rows: list[TokenRow], micro_batch_size: int, pad_id: int, flat: bool = False):
+    """Cut a global batch into padded micro-batches, keeping row order (see `collate`)."""
     for start in range(0, len(rows), micro_batch_size):
-        yield collate(rows[start:start + micro_batch_size], pad_id)
+        yield collate(rows[start:start + micro_batch_size], pad_id, flat)
 
 
-def collate(rows: list[TokenRow], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(rows: list[TokenRow], pad_id: int, flat: bool = False) -> dict[str, torch.Tensor]:
+    """Pad a micro-batch. Packed rows get per-sample position_ids and no attention_mask:
+    from those, transformers builds a block-diagonal causal mask (SDPA/eager/flex), so packed
+    samples never attend to each other. (It skips that detection when a KV cache is in use:
+    training runs with config.use_cache=False.)
+
+    flat=True lays the whole micro-batch out as one row without padding, the only layout in
+    which transformers' flash attention switches to varlen (`packing.flat_layout(model)`).
+    """
+    if flat:
+        return _flat(rows)
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         n = len(r.input_ids)
-        ids[i, :n] = torch.tensor(r.input_ids)
-        labels[i, :n] = torch.tensor(r.labels)
-        mask[i, :n] = 1
+        ids[i, :n] = torch.from_numpy(np.asarray(r.input_ids, dtype=np.int64))
+        labels[i, :n] = torch.from_numpy(np.asarray(r.labels, dtype=np.int64))
+    if any(r.segments is not None for r in rows):
+        pos = np.stack([position_ids(r.segments or (len(r.input_ids),), width) for r in rows])
+        return {"input_ids": ids, "labels": labels, "position_ids": torch.from_numpy(pos).long()}
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        mask[i, :len(r.input_ids)] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _flat(rows: list[TokenRow]) -> dict[str, torch.Tensor]:
+    ids = np.concatenate([np.asarray(r.input_ids, dtype=np.int64) for r in rows])
+    labels = np.concatenate([np.asarray(r.labels, dtype=np.int64) for r in rows])
+    start = 0
+    for r in rows[:-1]:
+        start += len(r.input_ids)
+        labels[start] = IGNORE  # a row boundary is a sample boundary: no label across it
+    pos = np.concatenate([position_ids(r.segments or (len(r.input_ids),), len(r.input_ids)) for r in rows])
+    return {"input_ids": torch.from_numpy(ids)[None], "labels": torch.from_numpy(labels)[None],
+            "position_ids": torch.from_numpy(pos).long()[None]}
 
 
 def count_targets(rows: list[TokenRow]) -> int:

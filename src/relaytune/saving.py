@@ -27,14 +27,17 @@ def library_versions() -> dict:
 
 
 class Saver:
-    def __init__(self, cfg: TrainConfig, store: CheckpointStore, config_hash: str):
+    def __init__(self, cfg: TrainConfig, store: CheckpointStore, config_hash: str, mirror=None):
         self.cfg = cfg
         self.store = store
+        self.mirror = mirror
+        self.consecutive_failures = 0
         self.meta = {"config_hash": config_hash, "versions": library_versions()}
         self.writer = AsyncSaver()
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
         self.blocked_seconds = 0.0  # time the loop waited on snapshots, for the log
+        self.last_blocked = 0.0
         self.save_seconds = 1.0  # measured duration of one whole save, for the deadline
         self.failures = 0
         self.protect: set[int] = set()  # the best checkpoint's step: retention keeps it
@@ -53,50 +56,74 @@ class Saver:
 
         Returns the committed path when waiting; None otherwise or if the save failed.
         """
-        self._collect_previous()
         t0 = time.monotonic()
+        self._collect_previous()  # at most one save in flight: waiting for it blocks training too
         files = files_fn()
-        self.blocked_seconds += time.monotonic() - t0
+        self.last_blocked = time.monotonic() - t0
+        self.blocked_seconds += self.last_blocked
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
 
         def job():
+            try:
+                return commit()
+            except OSError as e:  # reported at once, from whichever thread ran the save
+                self._report(e, step)
+                return None
+
+        def commit():
             start = time.monotonic()
             path = self.store.save(files, step, self.meta)
-            self.store.prune(self.cfg.save_total_limit, self.protect)
+            self.consecutive_failures = 0
+            if self.mirror:
+                self.mirror.protect = set(self.protect)
+                self.mirror.submit(path)
+            try:
+                self.store.prune(self.cfg.save_total_limit, self.protect, upto=step)
+            except OSError as e:  # the new checkpoint is committed; an old one merely stays
+                warn(f"retention could not remove an old checkpoint ({e.strerror or e}); will retry")
             self.save_seconds = (time.monotonic() - t0) if wait else max(time.monotonic() - start, 0.01)
             return path
 
         if not wait:
             self.writer.submit(job)
             return None
-        try:
-            return job()
-        except OSError as e:
-            self._report(e, step)
-            return None
+        return job()
 
     def flush(self) -> None:
         """Wait for the save in flight; a failure is reported, never raised."""
         self._collect_previous()
 
     def _collect_previous(self) -> None:
-        try:
-            self.writer.wait()
-        except OSError as e:
-            self._report(e, self.last_saved_step)
+        self.writer.wait()
 
     def _report(self, e: OSError, step: int | None) -> None:
         self.failures += 1
+        self.consecutive_failures += 1
         self.last_saved_step = None  # the next trigger tries again
         what = {errno.ENOSPC: "the disk is full", errno.EIO: "the disk reported an I/O error",
                 errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno, str(e))
         warn(f"checkpoint at step {step} failed ({what}); the previous checkpoint is intact, "
              "training continues and the next save tries again")
 
-    def commit_final(self, model, out_dir: Path) -> Path:
+    def commit_final(self, model, out_dir: Path, step: int) -> Path:
         self._collect_previous()
         files = adapter_files(model)
-        path = commit_folder(files, out_dir / "final", {"kind": "final", **self.meta})
+        try:
+            path = commit_folder(files, out_dir / "final", {"kind": "final", **self.meta})
+        except OSError as e:
+            from .errors import StoppedEarly
+
+            latest, _ = self.store.latest_valid()
+            raise StoppedEarly(
+                f"the final adapter could not be written ({e.strerror or e}); "
+                f"{'the run is intact at ' + latest.name if latest else 'no checkpoint is committed'}. "
+                "Free space, then run again", step, str(latest) if latest else None, how="disk") from None
         info(f"final adapter written to {path}")
+        try:  # a kill during an earlier retention may have left one checkpoint too many
+            self.store.prune(self.cfg.save_total_limit, self.protect, upto=step)
+        except OSError as e:
+            warn(f"retention could not remove an old checkpoint ({e.strerror or e})")
+        if self.mirror:
+            self.mirror.submit(path)
         return path

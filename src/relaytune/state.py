@@ -12,6 +12,7 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,23 +51,37 @@ def adapter_files(model) -> dict[str, bytes]:
     from peft.utils import get_peft_model_state_dict
 
     weights = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    return {ADAPTER: save(weights, metadata={"format": "pt"}), ADAPTER_CONFIG: adapter_config_bytes(model)}
+
+
+def adapter_config_bytes(model) -> bytes:
     config = model.peft_config["default"].to_dict()
     config["inference_mode"] = True
     for k, v in list(config.items()):
         if isinstance(v, set):
             config[k] = sorted(v)
-    return {
-        ADAPTER: save(weights, metadata={"format": "pt"}),
-        ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True, default=str).encode(),
-    }
+    return json.dumps(config, indent=2, sort_keys=True, default=str).encode()
+
+
+def deferred_safetensors(tensors: dict[str, torch.Tensor], metadata: dict) -> Callable[[], bytes]:
+    """Copy the tensors now, on their device (fast: no transfer, no serialisation), and
+    serialise later, in the thread that writes the checkpoint, while training goes on."""
+    copies = {k: v.detach().clone() for k, v in tensors.items()}
+    return lambda: save({k: v.to("cpu").contiguous() for k, v in copies.items()}, metadata=metadata)
 
 
 def snapshot(model, optimizer, scheduler, scaler, counters: Counters, extra: dict,
-             metrics_text: str, include_optimizer: bool = True) -> dict[str, bytes]:
-    files = adapter_files(model)
+             metrics_text: str, include_optimizer: bool = True) -> dict[str, bytes | Callable[[], bytes]]:
+    """Every file of a checkpoint at this step boundary; tensor files are serialised lazily."""
+    from peft.utils import get_peft_model_state_dict
+
+    files: dict[str, bytes | Callable[[], bytes]] = {
+        ADAPTER: deferred_safetensors(get_peft_model_state_dict(model), {"format": "pt"}),
+        ADAPTER_CONFIG: adapter_config_bytes(model),
+    }
     if include_optimizer:
         tensors, meta = _flatten_optimizer(optimizer.state_dict())
-        files[OPTIMIZER] = save(tensors, metadata={"relaytune": json.dumps(meta)})
+        files[OPTIMIZER] = deferred_safetensors(tensors, {"relaytune": json.dumps(meta)})
     files[RNG] = save(_torch_rng())
     state = {
         "counters": asdict(counters),
@@ -82,50 +97,80 @@ def snapshot(model, optimizer, scheduler, scaler, counters: Counters, extra: dic
     return files
 
 
-def read_trainer_state(path: Path) -> dict:
-    return json.loads((path / TRAINER_STATE).read_text())
+def read_trainer_state(source: Path | dict) -> dict:
+    return json.loads(_read(source, TRAINER_STATE))
 
 
-def restore(path: Path, model, optimizer, scheduler, scaler) -> Counters:
-    """Load a verified checkpoint folder into the live objects; returns the counters."""
+def _read(source: Path | dict, name: str) -> bytes:
+    """A checkpoint file's bytes, from a folder or from an in-memory snapshot."""
+    if not isinstance(source, dict):
+        return (Path(source) / name).read_bytes()
+    return source[name]() if callable(source[name]) else source[name]
+
+
+def restore(source: Path | dict, model, optimizer, scheduler, scaler) -> Counters:
+    """Put a verified checkpoint (folder or snapshot) into the live objects; returns the counters."""
     from peft.utils import set_peft_model_state_dict
 
-    state = read_trainer_state(path)
-    weights = load((path / ADAPTER).read_bytes())
-    result = set_peft_model_state_dict(model, weights)
+    state = read_trainer_state(source)
+    result = set_peft_model_state_dict(model, load(_read(source, ADAPTER)))
     if getattr(result, "unexpected_keys", None):
-        raise RuntimeError(f"{path}: adapter has unexpected keys {result.unexpected_keys[:3]}")
+        raise RuntimeError(f"{source}: adapter has unexpected keys {result.unexpected_keys[:3]}")
     if state["has_optimizer"]:
-        raw = (path / OPTIMIZER).read_bytes()
+        raw = _read(source, OPTIMIZER)
         optimizer.load_state_dict(_unflatten_optimizer(load(raw), _safetensors_meta(raw)))
     if state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    _set_rng(load((path / RNG).read_bytes()), state["python_rng"], state["numpy_rng"])
+    _set_rng(load(_read(source, RNG)), state["python_rng"], state["numpy_rng"])
     return Counters(**state["counters"])
 
 
+def capture_rng() -> dict:
+    """All RNG states, in memory: an OOM retry restarts its step from these."""
+    return {"tensors": _torch_rng(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def reset_rng(saved: dict) -> None:
+    torch.set_rng_state(saved["tensors"]["torch"])
+    cuda = [v for k, v in sorted(saved["tensors"].items()) if k.startswith("cuda.")]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(saved["python"])
+    np.random.set_state(saved["numpy"])
+
+
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors keyed `state/<param>/<name>[/<sub>...]`; everything else goes to JSON.
+
+    Nested dicts occur: bitsandbytes keeps its 8-bit quantisation state in one.
+    """
     tensors, scalars = {}, {}
+
+    def walk(prefix: str, value) -> None:
+        if torch.is_tensor(value):
+            tensors[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}", v)
+        else:
+            scalars[prefix] = value
+
     for idx, per_param in sd["state"].items():
-        for name, value in per_param.items():
-            if torch.is_tensor(value):
-                tensors[f"state.{idx}.{name}"] = value.detach().to("cpu").contiguous()
-            else:
-                scalars[f"{idx}.{name}"] = value
+        walk(f"state/{idx}", per_param)
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = value
-    for key, value in meta["scalars"].items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
+    for key, value in list(tensors.items()) + list(meta["scalars"].items()):
+        _, idx, *path = key.split("/")
+        node = state.setdefault(int(idx), {})
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
     groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
     return {"state": state, "param_groups": groups}
 
