@@ -256,3 +256,11 @@ def test_help_lists_every_field_with_its_docstring(capsys):
         assert field.description, f"{name} has no docstring"
         assert squash(sections[name]) == squash(field.description), name
     assert "(default: required)" in epilog.split("  dataset  ", 1)[1].splitlines()[0]
+
+
+def test_hf_only_keys_say_what_to_do_instead(tmp_path):
+    """Seed 2's TrainingArguments carry evaluation_strategy/save_strategy: say what replaces them."""
+    cfg = base_yaml(tmp_path, "evaluation_strategy: steps\n")
+    message = user_error(cfg)
+    assert "`evaluation_strategy` is not a key: evaluation runs every `eval_steps`" in message
+    assert message.startswith(f"{cfg}:")

@@ -106,6 +106,7 @@ def test_folder_of_mixed_files(tmp_path, tok):
     write(folder / "sub" / "b.parquet", ROWS["alpaca"])
     write(folder / "c.csv", ROWS["text"])
     (folder / "notes.txt").write_text("ignored")
+    (folder / "dataset_info.json").write_text('{"description": "metadata, not rows"}')
     data = prep(tmp_path, tok, str(folder))
     assert data.stats["rows_by_format"] == {"alpaca": 6, "messages": 6, "text": 6}
 

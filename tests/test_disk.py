@@ -9,20 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_config, run_cli
+from conftest import make_config
 from relaytune.checkpoint import TMP_PREFIX, verify
 
 ENOSPC, EIO = 28, 5
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model):
+def reference(tmp_path_factory, tiny_model, fork_cli):
     from conftest import chat_rows, write_jsonl
 
     tmp = tmp_path_factory.mktemp("ref")
     data = write_jsonl(tmp / "data.jsonl", chat_rows())
     cfg = make_config(tmp, tiny_model, data, lora_dropout=0.1)
-    assert run_cli("train", str(cfg)).returncode == 0
+    assert fork_cli.run("train", str(cfg)).returncode == 0
     return data, (tmp / "run/final/adapter_model.safetensors").read_bytes()
 
 
@@ -35,31 +35,31 @@ POINTS = ["save:begin", "save:mid_file", "save:before_manifest", "save:after_man
 
 @pytest.mark.parametrize("point,err", [(p, ENOSPC) for p in POINTS] + [("save:mid_file", EIO)] +
                          [pytest.param(p, EIO, marks=pytest.mark.slow) for p in POINTS if p != "save:mid_file"])
-def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(point, err, tmp_path, tiny_model, reference):
+def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(point, err, tmp_path, tiny_model, reference, fork_cli):
     data, ref = reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1)
     run = tmp_path / "run"
     # Occurrence 2 of save:begin is the step-8 save; for per-file points, 8 lands in its first file.
     nth = 2 if point in ("save:begin", "save:before_manifest", "save:after_manifest", "save:before_rename") else 8
     # Killed as the final save begins: after the failed step-8 save was reported, before final/.
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_FAIL_AT": f"{point}:{nth}:{err}",
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_FAIL_AT": f"{point}:{nth}:{err}",
                                         "RELAYTUNE_CRASH_AT": "save:begin:3"})
     assert r.returncode == -9, r.stderr
     assert "checkpoint at step 8 failed" in r.stderr and "the previous checkpoint is intact" in r.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
     # Intact: every file still matches the sha256 its manifest recorded at commit time.
     assert verify(run / "checkpoints/step-4") is None and _no_tmp_left(run)
-    again = run_cli("train", str(cfg))
+    again = fork_cli.run("train", str(cfg))
     assert again.returncode == 0, again.stderr
     assert "continuing from step-4" in again.stderr
     assert (run / "final/adapter_model.safetensors").read_bytes() == ref
 
 
-def test_nothing_saveable_exits_75_after_three_failures(tmp_path, tiny_model, reference):
+def test_nothing_saveable_exits_75_after_three_failures(tmp_path, tiny_model, reference, fork_cli):
     data, _ = reference
     cfg = make_config(tmp_path, tiny_model, data, max_steps=40, save_steps=2)
     failing = ",".join(f"save:begin:{n}:{ENOSPC}" for n in range(2, 20))
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_FAIL_AT": failing})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_FAIL_AT": failing})
     assert r.returncode == 75, r.stderr
     assert "no checkpoint could be written 3 times in a row" in r.stderr
     assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["step-2"]
@@ -79,13 +79,13 @@ def small_fs(tmp_path):
 
 @pytest.mark.parametrize("point,nth", [("save:begin", 2), ("save:mid_file", 9),
                                        ("save:before_manifest", 2), ("save:before_rename", 2)])
-def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path, tiny_model, reference):
+def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path, tiny_model, reference, fork_cli):
     data, ref = reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1,
                       output_dir=str(small_fs / "run"))
     filler = small_fs / f"filler-{uuid.uuid4().hex[:6]}"
     run = small_fs / "run"
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_FILL_AT": f"{point}:{nth}", "RELAYTUNE_FILL_FILE": str(filler)})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_FILL_AT": f"{point}:{nth}", "RELAYTUNE_FILL_FILE": str(filler)})
     # The disk filled during or just before the step-8 save: whatever failed after, it is
     # reported, exit 75 (or 0 if the rename-time fill came after the data reached disk).
     assert r.returncode in (0, 75), r.stderr
@@ -94,6 +94,6 @@ def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path,
     assert committed, "a committed checkpoint must survive"
     assert _no_tmp_left(run)
     filler.unlink()
-    again = run_cli("train", str(cfg))
+    again = fork_cli.run("train", str(cfg))
     assert again.returncode == 0, again.stderr
     assert (run / "final/adapter_model.safetensors").read_bytes() == ref

@@ -8,17 +8,17 @@ import socket
 
 import pytest
 
-from conftest import chat_rows, make_config, run_cli, write_jsonl
+from conftest import chat_rows, make_config, write_jsonl
 from relaytune.checkpoint import MANIFEST
 from relaytune.mirror import redact
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model):
+def reference(tmp_path_factory, tiny_model, fork_cli):
     tmp = tmp_path_factory.mktemp("ref")
     data = write_jsonl(tmp / "data.jsonl", chat_rows())
     cfg = make_config(tmp, tiny_model, data, lora_dropout=0.1)
-    assert run_cli("train", str(cfg)).returncode == 0
+    assert fork_cli.run("train", str(cfg)).returncode == 0
     return data, (tmp / "run/final/adapter_model.safetensors").read_bytes()
 
 
@@ -27,18 +27,18 @@ def test_redact_hides_credentials_and_queries():
     assert redact("/content/drive/MyDrive/run") == "/content/drive/MyDrive/run"
 
 
-def test_local_folder_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, reference):
+def test_local_folder_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, reference, fork_cli):
     data, ref = reference
     mirror = tmp_path / "drive"
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1,
                       mirror_to=str(mirror))
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_CRASH_AT": "step:end:11", "RELAYTUNE_SLOW_STEP": "0.3"})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_CRASH_AT": "step:end:11", "RELAYTUNE_SLOW_STEP": "0.3"})
     assert r.returncode == -9
     # Committed copies only, retention applied there too: the newest checkpoint, manifest last.
     assert sorted(p.name for p in (mirror / "checkpoints").iterdir()) == ["step-8"]
     assert (mirror / "checkpoints/step-8" / MANIFEST).is_file()
     shutil.rmtree(tmp_path / "run")  # a new session on an empty disk
-    again = run_cli("train", str(cfg))
+    again = fork_cli.run("train", str(cfg))
     assert again.returncode == 0, again.stderr
     assert "restored step-8 from the mirror" in again.stderr
     assert "continuing from step-8" in again.stderr
@@ -46,12 +46,12 @@ def test_local_folder_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, re
     assert (mirror / "final/adapter_model.safetensors").read_bytes() == ref
 
 
-def test_a_broken_mirror_never_stops_training(tmp_path, tiny_model, reference):
+def test_a_broken_mirror_never_stops_training(tmp_path, tiny_model, reference, fork_cli):
     data, ref = reference
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the mirror folder should be")
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, mirror_to=str(blocker / "run"))
-    r = run_cli("train", str(cfg))
+    r = fork_cli.run("train", str(cfg))
     assert r.returncode == 0, r.stderr
     assert "mirror to" in r.stderr and "failed" in r.stderr
     assert (tmp_path / "run/final/adapter_model.safetensors").read_bytes() == ref
@@ -80,15 +80,15 @@ def s3_server():
     server.stop()
 
 
-def test_s3_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, reference, s3_server):
+def test_s3_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, reference, s3_server, fork_cli):
     data, ref = reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=2,
                       mirror_to="s3://runs/exp1")
-    r = run_cli("train", str(cfg), env={**s3_server, "RELAYTUNE_CRASH_AT": "step:end:11",
+    r = fork_cli.run("train", str(cfg), env={**s3_server, "RELAYTUNE_CRASH_AT": "step:end:11",
                                         "RELAYTUNE_SLOW_STEP": "0.5"})
     assert r.returncode == -9, r.stderr
     shutil.rmtree(tmp_path / "run")
-    again = run_cli("train", str(cfg), env=s3_server)
+    again = fork_cli.run("train", str(cfg), env=s3_server)
     assert again.returncode == 0, again.stderr
     assert "restored step-8 from the mirror s3://runs/exp1" in again.stderr
     assert (tmp_path / "run/final/adapter_model.safetensors").read_bytes() == ref

@@ -7,8 +7,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,24 +14,26 @@ from pathlib import Path
 import pytest
 
 import relaytune
-from conftest import make_config, run_cli
+from conftest import make_config
 from relaytune.checkpoint import verify
 from relaytune.errors import StoppedEarly
 from relaytune.metrics import read_metrics
 
 
-def _start(cfg: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "relaytune.cli", "train", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
-def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for_step(run: Path, step: int, pid: int, timeout: float = 120) -> None:
     """Wait until the child has logged `step` (metrics.jsonl), so a signal lands mid-training."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"child ended early: {proc.stderr.read()}")
+        if not _alive(pid):
+            raise AssertionError("child ended early")
         records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
         if any(r.get("step", 0) >= step for r in records if "loss" in r):
             return
@@ -46,29 +46,32 @@ def _last_logged_step(run: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model):
+def reference(tmp_path_factory, tiny_model, fork_cli):
     from conftest import chat_rows, write_jsonl
 
     tmp = tmp_path_factory.mktemp("ref")
     data = write_jsonl(tmp / "data.jsonl", chat_rows(64))
     cfg = make_config(tmp, tiny_model, data, max_steps=60, save_steps=1000, lora_dropout=0.1)
-    r = run_cli("train", str(cfg))
+    r = fork_cli.run("train", str(cfg))
     assert r.returncode == 0, r.stderr
     return data, (tmp / "run/final/adapter_model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGUSR1"])
-def test_signal_commits_a_checkpoint_exits_75_and_resumes_exactly(signame, tmp_path, tiny_model, reference):
+@pytest.mark.parametrize("signame", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow),
+                                     pytest.param("SIGUSR1", marks=pytest.mark.slow),
+                                     pytest.param("SIGHUP", marks=pytest.mark.slow)])
+def test_signal_commits_a_checkpoint_exits_75_and_resumes_exactly(signame, tmp_path, tiny_model, reference, fork_cli):
     data, ref = reference
     cfg = make_config(tmp_path, tiny_model, data, max_steps=60, save_steps=1000, lora_dropout=0.1)
     run = tmp_path / "run"
     rng = random.Random(signame)
-    proc = _start(cfg, env={"RELAYTUNE_SLOW_STEP": "0.02"})
-    _wait_for_step(run, rng.randint(3, 20), proc)
+    child = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.02"})
+    _wait_for_step(run, rng.randint(3, 20), child.pid)
     sent_after = _last_logged_step(run)
-    proc.send_signal(getattr(signal, signame))
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err
+    os.kill(child.pid, getattr(signal, signame))
+    result = child.wait(120)
+    err = result.stderr
+    assert result.returncode == 75, err
     assert f"{signame} received" in err and "committed" in err and "after the request" in err
     committed = [p for p in (run / "checkpoints").iterdir() if verify(p) is None]
     assert len(committed) == 1
@@ -76,15 +79,15 @@ def test_signal_commits_a_checkpoint_exits_75_and_resumes_exactly(signame, tmp_p
     assert step >= sent_after  # no older than the last completed step
     ends = [json.loads(line) for line in (run / "sessions.jsonl").read_text().splitlines()]
     assert ends[-1]["event"] == "end" and ends[-1]["how"] == "signal" and ends[-1]["at_step"] == step
-    again = run_cli("train", str(cfg))
+    again = fork_cli.run("train", str(cfg))
     assert again.returncode == 0, again.stderr
     assert (run / "final/adapter_model.safetensors").read_bytes() == ref
 
 
-def test_time_limit_stops_before_the_limit_with_a_checkpoint(tmp_path, tiny_model, chat_data):
+def test_time_limit_stops_before_the_limit_with_a_checkpoint(tmp_path, tiny_model, chat_data, fork_cli):
     cfg = make_config(tmp_path, tiny_model, chat_data, max_steps=100_000, save_steps=100_000,
                       time_limit="6s")
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.05"})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.05"})
     assert r.returncode == 75, r.stderr
     assert "stopped by time limit" in r.stderr
     sessions = [json.loads(line) for line in (tmp_path / "run/sessions.jsonl").read_text().splitlines()]
@@ -96,7 +99,7 @@ def test_time_limit_stops_before_the_limit_with_a_checkpoint(tmp_path, tiny_mode
     assert int(step_dirs[0].name[5:]) == end["at_step"] > 0
 
 
-def test_python_api_interrupt_raises_stopped_early_with_the_checkpoint(tmp_path, tiny_model, chat_data, monkeypatch):
+def test_python_api_interrupt_raises_stopped_early_with_the_checkpoint(tmp_path, tiny_model, chat_data, monkeypatch, one_thread):
     monkeypatch.setenv("RELAYTUNE_SLOW_STEP", "0.02")
     cfg = make_config(tmp_path, tiny_model, chat_data, max_steps=100_000, save_steps=100_000)
     run = tmp_path / "run"

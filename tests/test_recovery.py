@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import relaytune
 import relaytune.recipe as recipe
-from conftest import make_config, run_cli
+from conftest import make_config
 from relaytune.errors import StoppedEarly
 from relaytune.metrics import read_metrics
 
@@ -26,14 +26,14 @@ def _events(run, name):
     return [r for r in read_metrics(run / "metrics.jsonl") if r.get("event") == name]
 
 
-def test_oom_halves_micro_batch_and_matches_a_run_configured_that_way(tmp_path, tiny_model, chat_data):
+def test_oom_halves_micro_batch_and_matches_a_run_configured_that_way(tmp_path, tiny_model, chat_data, fork_cli):
     # Global batch 8 both ways: micro-batch 8 x 1 hitting an OOM at step 3, and 4 x 2 from the start.
     base = dict(lora_dropout=0.0, per_device_train_batch_size=8, gradient_accumulation_steps=1)
     a = make_config(tmp_path / "a", tiny_model, chat_data, **base)
     b = make_config(tmp_path / "b", tiny_model, chat_data, lora_dropout=0.0,
                     per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    ra = run_cli("train", str(a), env={"RELAYTUNE_OOM_AT": "3:0"})
-    rb = run_cli("train", str(b))
+    ra = fork_cli.run("train", str(a), env={"RELAYTUNE_OOM_AT": "3:0"})
+    rb = fork_cli.run("train", str(b))
     assert ra.returncode == 0 and rb.returncode == 0, ra.stderr + rb.stderr
     assert "out of memory at micro-batch 8; redoing step 4 with micro-batch 4 x 2" in ra.stderr
     assert _events(tmp_path / "a" / "run", "oom") == [
@@ -48,24 +48,24 @@ def test_oom_halves_micro_batch_and_matches_a_run_configured_that_way(tmp_path, 
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
 
 
-def test_oom_at_micro_batch_one_saves_and_exits_75_with_advice(tmp_path, tiny_model, chat_data):
+def test_oom_at_micro_batch_one_saves_and_exits_75_with_advice(tmp_path, tiny_model, chat_data, fork_cli):
     cfg = make_config(tmp_path, tiny_model, chat_data, per_device_train_batch_size=1,
                       gradient_accumulation_steps=8)
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_OOM_AT": "2:3"})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_OOM_AT": "2:3"})
     assert r.returncode == 75, r.stderr
     assert "out of memory even at micro-batch 1" in r.stderr
     assert "a shorter max_seq_length" in r.stderr and "load_in_4bit: true" in r.stderr
     assert "gradient_checkpointing: true" in r.stderr
     assert "Traceback" not in r.stderr
     assert (tmp_path / "run/checkpoints/step-2/manifest.json").is_file()
-    again = run_cli("train", str(cfg))  # the fault fired once; the run continues from step 2
+    again = fork_cli.run("train", str(cfg))  # the fault fired once; the run continues from step 2
     assert again.returncode == 0, again.stderr
     assert "continuing from step-2" in again.stderr
 
 
-def test_a_nan_step_is_skipped_and_logged(tmp_path, tiny_model, chat_data):
+def test_a_nan_step_is_skipped_and_logged(tmp_path, tiny_model, chat_data, fork_cli):
     cfg = make_config(tmp_path, tiny_model, chat_data)
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_NAN_AT": "5"})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_NAN_AT": "5"})
     assert r.returncode == 0, r.stderr
     skipped = _events(tmp_path / "run", "skipped_step")
     assert [s["step"] for s in skipped] == [6] and skipped[0]["loss"] is None
@@ -73,9 +73,9 @@ def test_a_nan_step_is_skipped_and_logged(tmp_path, tiny_model, chat_data):
     assert [s["step"] for s in _steps(tmp_path / "run")] == list(range(1, 13))
 
 
-def test_repeated_nans_roll_back_and_lower_the_learning_rate(tmp_path, tiny_model, chat_data):
+def test_repeated_nans_roll_back_and_lower_the_learning_rate(tmp_path, tiny_model, chat_data, fork_cli):
     cfg = make_config(tmp_path, tiny_model, chat_data, lr_scheduler_type="constant")
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_NAN_AT": "5,6,7"})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_NAN_AT": "5,6,7"})
     assert r.returncode == 0, r.stderr
     assert "rolled back to step-4 and continue with the learning rate x0.5" in r.stderr
     run = tmp_path / "run"
@@ -87,16 +87,16 @@ def test_repeated_nans_roll_back_and_lower_the_learning_rate(tmp_path, tiny_mode
     assert lrs[4] == pytest.approx(1e-3) and lrs[5] == pytest.approx(5e-4) and lrs[12] == pytest.approx(5e-4)
 
 
-def test_repeated_nans_can_stop_with_a_diagnosis(tmp_path, tiny_model, chat_data):
+def test_repeated_nans_can_stop_with_a_diagnosis(tmp_path, tiny_model, chat_data, fork_cli):
     cfg = make_config(tmp_path, tiny_model, chat_data, on_repeated_nan="stop")
-    r = run_cli("train", str(cfg), env={"RELAYTUNE_NAN_AT": "5,6,7"})
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_NAN_AT": "5,6,7"})
     assert r.returncode == 1
     assert "3 steps in a row had a non-finite loss or gradient" in r.stderr
     assert "The run is intact at step-4" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_train_releases_the_model_on_every_exit_path(tmp_path, tiny_model, chat_data, monkeypatch):
+def test_train_releases_the_model_on_every_exit_path(tmp_path, tiny_model, chat_data, monkeypatch, one_thread):
     built = []
     real = recipe.load_model
 

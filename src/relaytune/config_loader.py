@@ -102,11 +102,26 @@ def parse_overrides(overrides: list[str] | dict[str, Any] | None) -> dict[str, A
     return parsed
 
 
+# Hugging Face keys that configs copied from TRL / Trainer scripts carry, with what to do instead.
+HF_ONLY_KEYS = {
+    "evaluation_strategy": "evaluation runs every `eval_steps` when there is eval data; remove it",
+    "eval_strategy": "evaluation runs every `eval_steps` when there is eval data; remove it",
+    "save_strategy": "checkpoints are committed every `save_steps` and every `save_every_seconds`; remove it",
+    "logging_strategy": "`logging_steps` sets the interval; remove it",
+    "auto_find_batch_size": "an out-of-memory error halves the micro-batch in place, always; remove it",
+    "per_device_eval_batch_size": "evaluation uses the training micro-batch; remove it",
+    "output_dir_overwrite": "relaytune never overwrites a run; use a new output_dir",
+    "overwrite_output_dir": "relaytune never overwrites a run; use a new output_dir",
+}
+
+
 def _reject_unknown(raw: dict, where: dict[str, str]) -> None:
     valid = list(TrainConfig.model_fields) + list(ALIASES)
     for key in raw:
         if key in TrainConfig.model_fields:
             continue
+        if key in HF_ONLY_KEYS:
+            raise UserError(f"{_at(where, key)}`{key}` is not a key: {HF_ONLY_KEYS[key]}")
         close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
         hint = f"; did you mean `{ALIASES.get(close[0], close[0])}`?" if close else \
             "; `relaytune train --help` lists the keys"

@@ -20,6 +20,7 @@ from .data_spec import DatasetSource
 from .errors import UserError
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+METADATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # not rows
 _loaded: dict[tuple, object] = {}  # datasets loaded this process, so a cache miss loads once
 
 
@@ -66,6 +67,7 @@ def data_files(spec: DatasetSource) -> list[Path] | None:
         if spec.split or _is_saved_dataset(path):
             return None  # a Hub-style folder with splits, or datasets' save_to_disk output
         files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()
+                       and p.name not in METADATA
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise UserError(f"`dataset`: the folder {path} holds no {'/'.join(SUFFIXES)} files")

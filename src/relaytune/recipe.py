@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import faults
+from . import faults, packing
 from .checkpoint import CheckpointStore, verify
 from .config import TrainConfig
 from .config_loader import load_config
@@ -34,7 +34,7 @@ from .environment import time_budget, warn_storage
 from .evaluate import eval_loss
 from .errors import StoppedEarly, TrainingDiverged, UserError
 from .guards import Deadline, StopRequest
-from .log import info, warn
+from .log import info, notice, warn
 from .loss import causal_lm_loss, supports_chunked_loss
 from .metrics import MetricsLog, SessionLog, parse_records
 from .mirror import Mirror
@@ -92,12 +92,18 @@ def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
     saved = read_trainer_state(start_from) if start_from else None
     if saved:
         check_compatible(saved["config"], cfg, data.fingerprint, saved["data_fingerprint"])
+        if precision.device.type == "cpu" and saved.get("torch_threads") not in (None, torch.get_num_threads()):
+            notice(f"the checkpoint was written with {saved['torch_threads']} CPU threads, this session has "
+                   f"{torch.get_num_threads()}: the run continues correctly, but not bit for bit "
+                   "(set OMP_NUM_THREADS to match for an exact continuation)")
     source = resolve_source(cfg)
     check_gpu(report, estimate_model_bytes(cfg, source.path if not source.gguf_file else None,
                                            torch.finfo(precision.dtype).bits / 8))
 
     torch.manual_seed(cfg.seed)  # the LoRA initialisation; a resume overwrites it
     model = load_model(cfg, precision)
+    if cfg.packing and (why := packing.check_isolation(model)):
+        raise UserError(f"`packing`: {why}; set packing: false")
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total)
     scaler = torch.amp.GradScaler("cuda") if precision.use_grad_scaler else None
@@ -130,7 +136,8 @@ def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
          f"{total} steps; starting at step {c.step}; {precision.device} {str(precision.dtype)[6:]}")
 
     def checkpoint_files():
-        extra = {"config": config_dump, "data_fingerprint": data.fingerprint, "total_steps": total}
+        extra = {"config": config_dump, "data_fingerprint": data.fingerprint, "total_steps": total,
+                 "torch_threads": torch.get_num_threads()}
         return snapshot(model, optimizer, scheduler, scaler, c, extra, metrics.text(),
                         include_optimizer=not cfg.save_only_model)
 
