@@ -259,3 +259,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def dropout_reference(tmp_path_factory, tiny_model, fork_cli):
+    """(data file, final adapter bytes) of an uninterrupted forked run of make_config's defaults
+    with lora_dropout 0.1, for the fault tests that must end byte-identical to it."""
+    tmp = tmp_path_factory.mktemp("dropout-ref")
+    data = write_jsonl(tmp / "data.jsonl", chat_rows())
+    cfg = make_config(tmp, tiny_model, data, lora_dropout=0.1)
+    assert fork_cli.run("train", str(cfg)).returncode == 0
+    return data, (tmp / "run/final/adapter_model.safetensors").read_bytes()

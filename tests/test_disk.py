@@ -15,17 +15,6 @@ from relaytune.checkpoint import TMP_PREFIX, verify
 ENOSPC, EIO = 28, 5
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model, fork_cli):
-    from conftest import chat_rows, write_jsonl
-
-    tmp = tmp_path_factory.mktemp("ref")
-    data = write_jsonl(tmp / "data.jsonl", chat_rows())
-    cfg = make_config(tmp, tiny_model, data, lora_dropout=0.1)
-    assert fork_cli.run("train", str(cfg)).returncode == 0
-    return data, (tmp / "run/final/adapter_model.safetensors").read_bytes()
-
-
 def _no_tmp_left(run: Path) -> bool:
     return not any(p.name.startswith(TMP_PREFIX) for p in (run / "checkpoints").iterdir())
 
@@ -35,8 +24,8 @@ POINTS = ["save:begin", "save:mid_file", "save:before_manifest", "save:after_man
 
 @pytest.mark.parametrize("point,err", [(p, ENOSPC) for p in POINTS] + [("save:mid_file", EIO)] +
                          [pytest.param(p, EIO, marks=pytest.mark.slow) for p in POINTS if p != "save:mid_file"])
-def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(point, err, tmp_path, tiny_model, reference, fork_cli):
-    data, ref = reference
+def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(point, err, tmp_path, tiny_model, dropout_reference, fork_cli):
+    data, ref = dropout_reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1)
     run = tmp_path / "run"
     # Occurrence 2 of save:begin is the step-8 save; for per-file points, 8 lands in its first file.
@@ -55,8 +44,8 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(point,
     assert (run / "final/adapter_model.safetensors").read_bytes() == ref
 
 
-def test_nothing_saveable_exits_75_after_three_failures(tmp_path, tiny_model, reference, fork_cli):
-    data, _ = reference
+def test_nothing_saveable_exits_75_after_three_failures(tmp_path, tiny_model, dropout_reference, fork_cli):
+    data, _ = dropout_reference
     cfg = make_config(tmp_path, tiny_model, data, max_steps=40, save_steps=2)
     failing = ",".join(f"save:begin:{n}:{ENOSPC}" for n in range(2, 20))
     r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_FAIL_AT": failing})
@@ -79,8 +68,8 @@ def small_fs(tmp_path):
 
 @pytest.mark.parametrize("point,nth", [("save:begin", 2), ("save:mid_file", 9),
                                        ("save:before_manifest", 2), ("save:before_rename", 2)])
-def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path, tiny_model, reference, fork_cli):
-    data, ref = reference
+def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path, tiny_model, dropout_reference, fork_cli):
+    data, ref = dropout_reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1,
                       output_dir=str(small_fs / "run"))
     filler = small_fs / f"filler-{uuid.uuid4().hex[:6]}"

@@ -8,18 +8,11 @@ import socket
 
 import pytest
 
-from conftest import chat_rows, make_config, write_jsonl
+from conftest import make_config
 from relaytune.checkpoint import MANIFEST
 from relaytune.mirror import redact
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model, fork_cli):
-    tmp = tmp_path_factory.mktemp("ref")
-    data = write_jsonl(tmp / "data.jsonl", chat_rows())
-    cfg = make_config(tmp, tiny_model, data, lora_dropout=0.1)
-    assert fork_cli.run("train", str(cfg)).returncode == 0
-    return data, (tmp / "run/final/adapter_model.safetensors").read_bytes()
 
 
 def test_redact_hides_credentials_and_queries():
@@ -27,8 +20,8 @@ def test_redact_hides_credentials_and_queries():
     assert redact("/content/drive/MyDrive/run") == "/content/drive/MyDrive/run"
 
 
-def test_local_folder_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, reference, fork_cli):
-    data, ref = reference
+def test_local_folder_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, dropout_reference, fork_cli):
+    data, ref = dropout_reference
     mirror = tmp_path / "drive"
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1,
                       mirror_to=str(mirror))
@@ -46,8 +39,8 @@ def test_local_folder_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, re
     assert (mirror / "final/adapter_model.safetensors").read_bytes() == ref
 
 
-def test_a_broken_mirror_never_stops_training(tmp_path, tiny_model, reference, fork_cli):
-    data, ref = reference
+def test_a_broken_mirror_never_stops_training(tmp_path, tiny_model, dropout_reference, fork_cli):
+    data, ref = dropout_reference
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the mirror folder should be")
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, mirror_to=str(blocker / "run"))
@@ -80,8 +73,8 @@ def s3_server():
     server.stop()
 
 
-def test_s3_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, reference, s3_server, fork_cli):
-    data, ref = reference
+def test_s3_mirror_restores_a_lost_output_dir(tmp_path, tiny_model, dropout_reference, s3_server, fork_cli):
+    data, ref = dropout_reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=2,
                       mirror_to="s3://runs/exp1")
     r = fork_cli.run("train", str(cfg), env={**s3_server, "RELAYTUNE_CRASH_AT": "step:end:11",
