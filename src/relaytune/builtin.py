@@ -61,8 +61,18 @@ def _convert(gguf: Path, target: Path) -> None:
     try:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        _share_like_umask(tmp)
         if target.exists():
             shutil.rmtree(target)  # a half-written cache of our own, from an interrupted conversion
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _share_like_umask(folder: Path) -> None:
+    """mkdtemp makes the folder owner-only; a cache on a team folder must be readable by others."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)

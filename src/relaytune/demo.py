@@ -93,7 +93,22 @@ def run_demo(output_dir: str, overrides: list[str]) -> dict:
         "train_status": result.status,
     }
     print(_report(figures, prompts, answers, before, after, out))
+    _show_run(out, heldout)
+    figures["total_seconds"] = time.monotonic() - began
     return figures
+
+
+def _show_run(out: Path, heldout: list) -> None:
+    """End as a user would look at a run: `relaytune status`, its plot, and a compare report."""
+    from .compare import Decoding, compare_run
+    from .status import format_status, run_status
+
+    prompts = out / "demo-prompts.jsonl"
+    _write_jsonl(prompts, [{"messages": m[:-1], "reference": m[-1]["content"]} for m in heldout[:5]])
+    comparison = compare_run(out, prompts, "final", Decoding(max_new_tokens=16), out / "compare.md",
+                             config=str(out / "demo.yaml"))
+    print(format_status(run_status(out)))
+    print(f"compare report: {comparison.report}")
 
 
 def _load_base(cfg):
