@@ -218,7 +218,3 @@ class AsyncSaver:
             self.wait()
         except BaseException as e:  # the original exception matters more
             warn(f"a background checkpoint write failed: {e}")
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()

@@ -233,7 +233,7 @@ class TrainConfig(BaseModel):
 
     @field_validator(
         "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length",
-        "lora_r", "lora_alpha", "logging_steps", "save_steps",
+        "lora_r", "lora_alpha", "logging_steps", "save_steps", "max_bad_steps",
     )
     @classmethod
     def _positive(cls, v: int) -> int:
@@ -267,13 +267,6 @@ class TrainConfig(BaseModel):
     def _timestamp(cls, v: str | None) -> str | None:
         if v is not None:
             parse_timestamp(v)
-        return v
-
-    @field_validator("max_bad_steps")
-    @classmethod
-    def _at_least_one(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be at least 1")
         return v
 
     @field_validator("nan_lr_factor")

@@ -36,10 +36,8 @@ class Saver:
         self.writer = AsyncSaver()
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
-        self.blocked_seconds = 0.0  # time the loop waited on snapshots, for the log
         self.last_blocked = 0.0
         self.save_seconds = 1.0  # measured duration of one whole save, for the deadline
-        self.failures = 0
         self.protect: set[int] = set()  # the best checkpoint's step: retention keeps it
         self.force_step: int | None = None  # a new best eval: save this step whatever the interval
 
@@ -60,7 +58,6 @@ class Saver:
         self._collect_previous()  # at most one save in flight: waiting for it blocks training too
         files = files_fn()
         self.last_blocked = time.monotonic() - t0
-        self.blocked_seconds += self.last_blocked
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
 
@@ -72,7 +69,6 @@ class Saver:
                 return None
 
         def commit():
-            start = time.monotonic()
             path = self.store.save(files, step, self.meta)
             self.consecutive_failures = 0
             if self.mirror:
@@ -82,7 +78,7 @@ class Saver:
                 self.store.prune(self.cfg.save_total_limit, self.protect, upto=step)
             except OSError as e:  # the new checkpoint is committed; an old one merely stays
                 warn(f"retention could not remove an old checkpoint ({e.strerror or e}); will retry")
-            self.save_seconds = (time.monotonic() - t0) if wait else max(time.monotonic() - start, 0.01)
+            self.save_seconds = time.monotonic() - t0  # from the request to the commit: what a stop costs
             return path
 
         if not wait:
@@ -98,7 +94,6 @@ class Saver:
         self.writer.wait()
 
     def _report(self, e: OSError, step: int | None) -> None:
-        self.failures += 1
         self.consecutive_failures += 1
         self.last_saved_step = None  # the next trigger tries again
         what = {errno.ENOSPC: "the disk is full", errno.EIO: "the disk reported an I/O error",
