@@ -51,8 +51,8 @@ def child(args) -> None:
     t0 = time.perf_counter()
     from transformers import AutoTokenizer
 
-    from relaytune.config_loader import load_config
-    from relaytune.data import prepare_data
+    from relaytune.config.loader import load_config
+    from relaytune.data.prepare import prepare_data
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer_dir)
     calls = {"n": 0}

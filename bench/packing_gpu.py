@@ -7,8 +7,8 @@ bf16, SDPA, gradient checkpointing, LoRA r=16 on all linear layers, AdamW: the s
 TRL anchor in DESIGN.md. The same samples (lengths drawn from a long-tailed distribution like
 chat data, token ids random) are trained:
   padded  - micro-batches of `batch` rows, each padded to its longest row (packing: false);
-  packed  - best-fit-decreasing into `seq`-token sequences (relaytune.packing), `batch` per
-            micro-batch, per-sample position_ids, no attention_mask (relaytune.order.collate);
+  packed  - best-fit-decreasing into `seq`-token sequences (relaytune.data.packing), `batch` per
+            micro-batch, per-sample position_ids, no attention_mask (relaytune.data.batches.collate);
   flat    - (only if flash-attn is installed) the same packed rows as one varlen row.
 tokens/s counts real tokens only. Prints a markdown table.
 """
@@ -85,13 +85,13 @@ def main() -> None:
     args = p.parse_args()
 
     try:
-        from relaytune.data import TokenRow
+        from relaytune.data.prepare import TokenRow
     except ImportError as e:  # a GPU box without pydantic: the same row type, stood in
         import dataclasses
         import sys
         import types
 
-        print(f"# relaytune.data not importable here ({e}); using a stand-in TokenRow")
+        print(f"# relaytune.data.prepare not importable here ({e}); using a stand-in TokenRow")
 
         @dataclasses.dataclass(eq=False)
         class TokenRow:
@@ -99,9 +99,9 @@ def main() -> None:
             labels: np.ndarray
             segments: tuple | None = None
 
-        sys.modules["relaytune.data"] = types.SimpleNamespace(TokenRow=TokenRow, IGNORE=-100)
-    from relaytune.order import collate
-    from relaytune.packing import best_fit_decreasing, concat, efficiency
+        sys.modules["relaytune.data.prepare"] = types.SimpleNamespace(TokenRow=TokenRow, IGNORE=-100)
+    from relaytune.data.batches import collate
+    from relaytune.data.packing import best_fit_decreasing, concat, efficiency
 
     lens = lengths(args.samples, args.seq)
     rng = np.random.default_rng(1)

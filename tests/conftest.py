@@ -83,7 +83,7 @@ os.dup2(null, 1)
 import torch, transformers, peft, safetensors.torch, bitsandbytes  # noqa: F401,E401
 import transformers.models.llama.modeling_llama  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-import relaytune.cli, relaytune.recipe  # noqa: F401,E401
+import relaytune.cli, relaytune.training.recipe  # noqa: F401,E401
 out.write(json.dumps({"ready": os.getpid()}) + "\n")
 for line in sys.stdin:
     req = json.loads(line)

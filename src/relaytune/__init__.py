@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 def train(config=None, /, **kwargs):
     """Train, or continue the run in the config's output_dir. See `relaytune train --help`."""
-    from .recipe import train as _train
+    from relaytune.training.recipe import train as _train
 
     return _train(config, **kwargs)
 

@@ -13,8 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import UserError
-from .log import info
+from relaytune.errors import UserError
+from relaytune.log import info
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KNOWN = {"builtin:SmolLM2-135M-Instruct"}

@@ -10,13 +10,13 @@ import argparse
 import sys
 import textwrap
 
-from .errors import StoppedEarly, TrainingDiverged, UserError
+from relaytune.errors import StoppedEarly, TrainingDiverged, UserError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 
 
 def _config_epilog() -> str:
-    from .config_loader import field_help
+    from relaytune.config.loader import field_help
 
     lines = ["configuration keys (YAML, or key=value after the config path):", ""]
     for key, default, doc in field_help():
@@ -103,31 +103,31 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
-            from .recipe import train
+            from relaytune.training.recipe import train
 
             train(args.config, fresh=args.fresh, **_overrides(args.overrides))
         elif args.command == "data":
-            from .data_cmd import check_data
+            from relaytune.commands.data import check_data
 
             check_data(args.config, _overrides(args.overrides))
         elif args.command == "eval":
-            from .evaluate import main as eval_main
+            from relaytune.commands.evaluate import main as eval_main
 
             eval_main(args)
         elif args.command == "compare":
-            from .compare import main as compare_main
+            from relaytune.commands.compare import main as compare_main
 
             compare_main(args)
         elif args.command == "export":
-            from .export import main as export_main
+            from relaytune.commands.export import main as export_main
 
             export_main(args)
         elif args.command == "status":
-            from .status import main as status_main
+            from relaytune.commands.status import main as status_main
 
             status_main(args)
         elif args.command == "demo":
-            from .demo import run_demo
+            from relaytune.commands.demo import run_demo
 
             run_demo(args.output_dir, args.overrides)
         return EXIT_OK
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _overrides(items: list[str]) -> dict:
-    from .config_loader import parse_overrides
+    from relaytune.config.loader import parse_overrides
 
     return parse_overrides(items)
 

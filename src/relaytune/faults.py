@@ -1,12 +1,13 @@
 """Fault injection for tests: the real fault at the real place.
 
-Switches are environment variables, read once per process:
+The plan comes from environment variables and is read once per run (`reset()`, which
+each training run calls at set-up and a test calls after changing the variables):
 
 RELAYTUNE_CRASH_AT="point:N[,point:N...]"
     SIGKILL this process the N-th time (1-based) it reaches `point`. Points in
     the save path: save:begin, save:mid_file, save:before_manifest,
     save:after_manifest, save:before_rename, save:after_rename,
-    save:during_retention; in the loop: step:end.
+    save:during_retention; the data cache: cache:*; in the loop: step:end.
 RELAYTUNE_FAIL_AT="point:N:errno"
     Raise OSError(errno) (e.g. 28 = ENOSPC, 5 = EIO) at the N-th time `point`
     is reached, as a full or failing disk would.
@@ -29,32 +30,105 @@ import os
 import signal
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
-_hits: Counter = Counter()
-_fired: set = set()
+VARIABLES = ("RELAYTUNE_CRASH_AT", "RELAYTUNE_FAIL_AT", "RELAYTUNE_FILL_AT", "RELAYTUNE_OOM_AT",
+             "RELAYTUNE_NAN_AT", "RELAYTUNE_SLOW_STEP")
 
 
-def _parse(name: str) -> list[list[str]]:
-    raw = os.environ.get(name, "").strip()
+@dataclass
+class Plan:
+    crash: set[tuple[str, int]] = field(default_factory=set)  # (point, occurrence)
+    fail: dict[tuple[str, int], int] = field(default_factory=dict)  # (point, occurrence) -> errno
+    fill: set[tuple[str, int]] = field(default_factory=set)
+    fill_file: str | None = None
+    oom: set[tuple[int, int]] = field(default_factory=set)  # (step, micro-batch)
+    nan: set[int] = field(default_factory=set)
+    slow_step: float = 0.0
+    hits: Counter = field(default_factory=Counter)
+
+    def points(self) -> set[str]:
+        return {point for point, _ in self.crash | set(self.fail) | self.fill}
+
+
+def _items(env, name: str) -> list[list[str]]:
+    raw = env.get(name, "").strip()
     return [item.strip().split(":") for item in raw.split(",") if item.strip()]
 
 
+def parse(env) -> Plan:
+    plan = Plan(fill_file=env.get("RELAYTUNE_FILL_FILE"))
+    for spec in _items(env, "RELAYTUNE_CRASH_AT"):
+        plan.crash.add((":".join(spec[:-1]), int(spec[-1])))
+    for spec in _items(env, "RELAYTUNE_FAIL_AT"):
+        plan.fail[(":".join(spec[:-2]), int(spec[-2]))] = int(spec[-1])
+    for spec in _items(env, "RELAYTUNE_FILL_AT"):
+        plan.fill.add((":".join(spec[:-1]), int(spec[-1])))
+    plan.oom = {(int(s[0]), int(s[1])) for s in _items(env, "RELAYTUNE_OOM_AT")}
+    plan.nan = {int(s[0]) for s in _items(env, "RELAYTUNE_NAN_AT")}
+    plan.slow_step = float(env.get("RELAYTUNE_SLOW_STEP") or 0.0)
+    return plan
+
+
+_plan: Plan | None = None
+
+
+def reset(env=None) -> Plan:
+    """Read the plan from the environment and start counting occurrences from zero."""
+    global _plan
+    _plan = parse(os.environ if env is None else env)
+    return _plan
+
+
+def _current() -> Plan:
+    return _plan if _plan is not None else reset()
+
+
+def armed(point: str) -> bool:
+    """Whether the plan does anything at `point`: lets a writer take its fault-ready path only then."""
+    return point in _current().points()
+
+
 def reach(point: str) -> None:
-    """Mark that execution reached `point`; crash or fail here if a switch says so."""
-    if point == "step:end" and os.environ.get("RELAYTUNE_SLOW_STEP"):
-        time.sleep(float(os.environ["RELAYTUNE_SLOW_STEP"]))
-    _hits[point] += 1
-    n = _hits[point]
-    for spec in _parse("RELAYTUNE_CRASH_AT"):
-        if ":".join(spec[:-1]) == point and int(spec[-1]) == n:
-            os.kill(os.getpid(), signal.SIGKILL)
-    for spec in _parse("RELAYTUNE_FAIL_AT"):
-        if ":".join(spec[:-2]) == point and int(spec[-2]) == n:
-            err = int(spec[-1])
-            raise OSError(err, f"{os.strerror(err)} (injected at {point}, occurrence {n})")
-    for spec in _parse("RELAYTUNE_FILL_AT"):
-        if ":".join(spec[:-1]) == point and int(spec[-1]) == n:
-            _fill_disk(os.environ["RELAYTUNE_FILL_FILE"])
+    """Mark that execution reached `point`; crash or fail here if the plan says so."""
+    plan = _current()
+    if not plan.crash and not plan.fail and not plan.fill:
+        return
+    plan.hits[point] += 1
+    n = plan.hits[point]
+    if (point, n) in plan.crash:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if (point, n) in plan.fail:
+        err = plan.fail[(point, n)]
+        raise OSError(err, f"{os.strerror(err)} (injected at {point}, occurrence {n})")
+    if (point, n) in plan.fill:
+        _fill_disk(plan.fill_file)
+
+
+def step_ended() -> None:
+    """The loop's one hook after each optimizer step: the `step:end` point and the slow-step switch."""
+    plan = _current()
+    if plan.slow_step:
+        time.sleep(plan.slow_step)
+    reach("step:end")
+
+
+def oom_now(step: int, micro: int) -> bool:
+    """True once for each (step, micro-batch) the plan names."""
+    plan = _current()
+    if (step, micro) in plan.oom:
+        plan.oom.discard((step, micro))
+        return True
+    return False
+
+
+def nan_now(step: int) -> bool:
+    """True once for each step the plan names."""
+    plan = _current()
+    if step in plan.nan:
+        plan.nan.discard(step)
+        return True
+    return False
 
 
 def _fill_disk(path: str) -> None:
@@ -72,21 +146,3 @@ def _fill_disk(path: str) -> None:
                 fh.flush()
         except OSError:
             pass
-
-
-def oom_now(step: int, micro: int) -> bool:
-    key = ("oom", step, micro)
-    for spec in _parse("RELAYTUNE_OOM_AT"):
-        if (int(spec[0]), int(spec[1])) == (step, micro) and key not in _fired:
-            _fired.add(key)
-            return True
-    return False
-
-
-def nan_now(step: int) -> bool:
-    key = ("nan", step)
-    for spec in _parse("RELAYTUNE_NAN_AT"):
-        if int(spec[0]) == step and key not in _fired:
-            _fired.add(key)
-            return True
-    return False

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from . import builtin
-from .config import TrainConfig
-from .errors import UserError
-from .log import notice
+from relaytune import builtin
+from relaytune.config.schema import TrainConfig
+from relaytune.errors import UserError
+from relaytune.log import notice
 
 
 @dataclass(frozen=True)

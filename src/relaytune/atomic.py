@@ -1,0 +1,179 @@
+"""Durable writes: the one place that decides how relaytune puts bytes on disk.
+
+Every writer (checkpoints, final/ and best/, the data cache, metrics, trackers' state,
+the status plot, the eval cache, exports, the built-in model cache, the mirror) goes
+through here, so a durability fix reaches all of them.
+
+Rules:
+  - a file is replaced by writing `.relaytune-tmp-*` beside it, fsyncing it, renaming
+    it over the old one and fsyncing the folder: a reader sees the old or the new file;
+  - a folder is committed the same way, and holds `manifest.json` (sha256 and size of
+    every file, written last) so that a folder without a valid manifest is never trusted;
+  - a folder is removed by renaming it to a tmp name first, so a crash mid-delete
+    leaves a tmp folder, never a half folder under its real name;
+  - cleanup only ever removes entries named `.relaytune-tmp-*`: our own unfinished work.
+
+Each commit step is a named fault point (see faults.py): `<points>:begin`, `:mid_file`,
+`:before_manifest`, `:after_manifest`, `:before_rename`, `:after_rename`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from relaytune import faults
+from relaytune.log import info, warn
+
+TMP_PREFIX = ".relaytune-tmp-"
+MANIFEST = "manifest.json"
+FORMAT = "relaytune-checkpoint/1"
+
+FileBytes = bytes | Callable[[], bytes]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tmp_path(parent: Path, name: str) -> Path:
+    """A unique tmp name in `parent`: ours to remove if a crash leaves it behind."""
+    return Path(parent) / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+
+
+def write_file(path: Path, data: bytes, points: str = "save") -> dict:
+    """Write and fsync one new file; return its manifest entry."""
+    with open(path, "wb") as fh:
+        if faults.armed(f"{points}:mid_file"):  # a kill between two halves: a torn file on disk
+            fh.write(data[:len(data) // 2])
+            faults.reach(f"{points}:mid_file")
+            fh.write(data[len(data) // 2:])
+        else:
+            fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+def replace_file(path: Path, data: bytes | str) -> None:
+    """Atomically replace (or create) one file: readers see the old bytes or the new ones."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        write_file(tmp, data.encode("utf-8") if isinstance(data, str) else data, points="replace")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def commit_folder(files: dict[str, FileBytes], target: Path, meta: dict, points: str = "save") -> Path:
+    """Write `files` as the folder `target`, with a manifest, by the commit protocol.
+
+    A value may be a callable that returns the bytes: it runs here, in the writing thread.
+    A folder already at `target` is kept under another name, never deleted.
+    """
+    faults.reach(f"{points}:begin")
+    files = {name: data() if callable(data) else data for name, data in files.items()}
+    parent = Path(target).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(parent, Path(target).name)
+    tmp.mkdir()
+    try:
+        entries = {name: write_file(tmp / name, data, points) for name, data in sorted(files.items())}
+        faults.reach(f"{points}:before_manifest")
+        manifest = {"format": FORMAT, **meta, "files": entries, "created": time.time()}
+        write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode(), points)
+        faults.reach(f"{points}:after_manifest")
+        if Path(target).exists():
+            set_aside(Path(target))
+        faults.reach(f"{points}:before_rename")
+        publish(tmp, Path(target))
+        faults.reach(f"{points}:after_rename")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(target)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Give a finished tmp folder (or file) its real name, durably."""
+    os.rename(tmp, target)
+    fsync_dir(Path(target).parent)
+
+
+def set_aside(path: Path) -> Path:
+    """A folder where a new commit must go: keep it under another name, never delete it."""
+    kind = "replaced" if verify(path) is None else "invalid"
+    aside = path.with_name(f"{path.name}.{kind}-{int(time.time())}")
+    os.rename(path, aside)
+    warn(f"{path} already existed ({kind}); kept it as {aside.name} and wrote a new one")
+    return aside
+
+
+def remove_folder(path: Path) -> None:
+    """Delete a folder of ours: rename it to a tmp name first, so a crash mid-delete is harmless."""
+    doomed = tmp_path(Path(path).parent, f"delete-{Path(path).name}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_tmp(parent: Path, quiet: bool = False) -> None:
+    """Remove our own unfinished writes in `parent`; nothing else is ever touched."""
+    if not Path(parent).is_dir():
+        return
+    for p in sorted(Path(parent).iterdir()):
+        if not p.name.startswith(TMP_PREFIX) or p.is_symlink():
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        if not quiet:
+            info(f"removed an unfinished save of ours: {p.name}")
+
+
+def verify(path: Path) -> str | None:
+    """None if `path` is a committed, intact folder; otherwise why not."""
+    mpath = Path(path) / MANIFEST
+    if not mpath.is_file():
+        return "no manifest (an unfinished or foreign folder)"
+    try:
+        manifest = json.loads(mpath.read_text())
+        entries = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        return "unreadable manifest"
+    if manifest.get("format") != FORMAT:
+        return f"unknown format {manifest.get('format')!r}"
+    for name, entry in entries.items():
+        f = Path(path) / name
+        if not f.is_file():
+            return f"missing file {name}"
+        if f.stat().st_size != entry["size"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
+        if sha256_file(f) != entry["sha256"]:
+            return f"{name} does not match its sha256 (corrupted)"
+    return None
+
+
+def read_manifest(path: Path) -> dict:
+    return json.loads((Path(path) / MANIFEST).read_text())

@@ -1,0 +1,238 @@
+"""`relaytune compare RUN_DIR --prompts FILE`: the same prompts through the base model and
+each chosen checkpoint, side by side, plus a Markdown report.
+
+Reproducible by construction: greedy decoding unless a temperature is given, and
+with sampling the RNG is re-seeded before every (model, prompt) pair, so adding a
+checkpoint or a prompt does not change the other outputs. Every decoding setting
+is written into the report. Prompts go through the model's chat template, as the
+training rows did.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relaytune.data.formats import BadRow
+from relaytune.errors import UserError
+from relaytune.run_dir import load_adapter_slot, put_adapter, run_config, run_dir, select
+from relaytune.data.templates import Renderer, resolve
+
+
+@dataclass
+class Decoding:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError("--max-new-tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
+            raise UserError("decoding: --temperature >= 0, 0 < --top-p <= 1 and --repetition-penalty > 0")
+
+
+@dataclass
+class Prompt:
+    messages: list[dict]
+    reference: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.messages[-1]["content"]
+
+
+@dataclass
+class Comparison:
+    prompts: list[Prompt]
+    outputs: dict[str, list[str]]  # model name -> one output per prompt
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {exact, contains}
+    report: Path | None = None
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """.jsonl rows with `prompt` (or `messages`) and optional `reference`; or plain text, one per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--prompts: {p} not found")
+    lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if p.suffix not in (".jsonl", ".json"):
+        return [Prompt([{"role": "user", "content": ln}]) for ln in lines]
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{p}:{i}: not JSON ({e})") from None
+        ref = row.get("reference") if isinstance(row, dict) else None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else [])
+            messages.append({"role": "user", "content": row["prompt"]})
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+            messages = list(row["messages"])
+            if messages[-1].get("role") == "assistant":  # a training row: its answer is the reference
+                ref = ref if ref is not None else messages[-1].get("content")
+                messages = messages[:-1]
+        else:
+            messages = []
+        if not messages:
+            raise UserError(f"{p}:{i}: a row needs `prompt` (text) or `messages` (a list)")
+        if ref is not None and not isinstance(ref, str):
+            raise UserError(f"{p}:{i}: `reference` must be text")
+        prompts.append(Prompt(messages, ref))
+    if not prompts:
+        raise UserError(f"--prompts: {p} holds no prompts")
+    return prompts
+
+
+def compare_run(run: str | Path, prompts_file: str | Path, checkpoints: str | None = None,
+                decoding: Decoding | None = None, report: str | Path | None = None,
+                config: str | None = None) -> Comparison:
+    out = run_dir(run)
+    cfg = run_config(out, config)
+    decoding = decoding or Decoding()
+    decoding.check()
+    prompts = read_prompts(prompts_file)
+    refs = select(out, checkpoints)
+    model, tokenizer, precision = load_adapter_slot(cfg)
+    model.config.use_cache = True  # training turns the KV cache off; generation wants it
+    template = resolve(cfg.chat_template, tokenizer)
+    outputs: dict[str, list[str]] = {}
+    with model.disable_adapter():
+        outputs["base"] = [generate(model, tokenizer, template, p, decoding, precision) for p in prompts]
+    for ref in refs:
+        put_adapter(model, ref)
+        outputs[ref.name] = [generate(model, tokenizer, template, p, decoding, precision) for p in prompts]
+    result = Comparison(prompts, outputs, score(prompts, outputs))
+    path = Path(report) if report else out / f"compare-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown(result, cfg, decoding, refs, template.name), encoding="utf-8")
+    result.report = path
+    return result
+
+
+def prompt_ids(tokenizer, template, messages: list[dict]) -> list[int]:
+    """The generation prompt rendered as training rendered its rows (same template, same encoding)."""
+    if template.text is not None:
+        try:
+            text = Renderer(template, tokenizer).render(messages, True)
+        except BadRow as e:
+            raise UserError(f"--prompts: {e}") from None
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # the plain format of data_tokenize._plain, piece by piece as it encodes
+    pieces = [p for m in messages for p in (f"### {m['role'].capitalize()}:\n", m["content"] + "\n\n")]
+    pieces.append("### Assistant:\n")
+    return [t for piece in pieces for t in tokenizer(piece, add_special_tokens=False)["input_ids"]]
+
+
+def generate(model, tokenizer, template, prompt: Prompt, d: Decoding, precision) -> str:
+    import torch
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt_ids(tokenizer, template, prompt.messages)], device=precision.device)
+    eos = {tokenizer.eos_token_id} | _as_set(getattr(model.generation_config, "eos_token_id", None))
+    # Every knob set explicitly, so the model's own generation_config cannot change the decoding.
+    gen = GenerationConfig(
+        max_new_tokens=d.max_new_tokens, do_sample=not d.greedy,
+        temperature=d.temperature if not d.greedy else None, top_p=d.top_p if not d.greedy else None,
+        top_k=None, repetition_penalty=d.repetition_penalty,
+        eos_token_id=sorted(e for e in eos if e is not None), pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(d.seed)  # per (model, prompt): outputs do not depend on what ran before
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def _as_set(v) -> set:
+    return set(v) if isinstance(v, (list, tuple)) else ({v} if v is not None else set())
+
+
+def normalise(text: str) -> str:
+    """Case, surrounding space and trailing punctuation do not count."""
+    return " ".join(text.casefold().split()).strip(" .!?\"'")
+
+
+def score(prompts: list[Prompt], outputs: dict[str, list[str]]) -> dict[str, dict[str, float]]:
+    """Exact match and contains rates over the prompts that carry a reference."""
+    idx = [i for i, p in enumerate(prompts) if p.reference is not None]
+    if not idx:
+        return {}
+    scores = {}
+    for name, outs in outputs.items():
+        exact = sum(normalise(outs[i]) == normalise(prompts[i].reference) for i in idx)
+        contains = sum(normalise(prompts[i].reference) in normalise(outs[i]) for i in idx)
+        scores[name] = {"exact": exact / len(idx), "contains": contains / len(idx), "n": len(idx)}
+    return scores
+
+
+def side_by_side(result: Comparison, width: int | None = None) -> str:
+    """Terminal view: one column per model, or stacked when the terminal is too narrow."""
+    width = width or shutil.get_terminal_size((120, 20)).columns
+    names = list(result.outputs)
+    col = (width - 3 * (len(names) - 1)) // len(names)
+    lines = []
+    for i, p in enumerate(result.prompts):
+        lines.append("=" * min(width, 100))
+        lines.append(f"[{i + 1}] {p.text}" + (f"   (reference: {p.reference})" if p.reference is not None else ""))
+        if col < 24:
+            for n in names:
+                lines.append(f"--- {n}")
+                lines += textwrap.wrap(result.outputs[n][i], width) or [""]
+            continue
+        cells = [[n, "-" * min(col, len(n) + 2)] + (textwrap.wrap(result.outputs[n][i], col) or [""])
+                 for n in names]
+        for row in range(max(len(c) for c in cells)):
+            lines.append(" | ".join((c[row] if row < len(c) else "").ljust(col) for c in cells).rstrip())
+    if result.scores:
+        lines.append("=" * min(width, 100))
+        lines.append("scores over prompts with a reference:")
+        for n, s in result.scores.items():
+            lines.append(f"  {n:<12} exact {s['exact']:.0%}   contains {s['contains']:.0%}   (n={s['n']})")
+    return "\n".join(lines)
+
+
+def markdown(result: Comparison, cfg, d: Decoding, refs, template_name: str) -> str:
+    fence = "````"  # outputs may contain ``` themselves
+    md = ["# relaytune compare", "",
+          f"- run: `{cfg.output_dir}`", f"- base model: `{cfg.model}`",
+          f"- generated: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", "",
+          "## Decoding", "", "| setting | value |", "|---|---|",
+          f"| strategy | {'greedy' if d.greedy else 'sampling'} |",
+          f"| max_new_tokens | {d.max_new_tokens} |",
+          f"| temperature | {d.temperature if not d.greedy else '- (greedy)'} |",
+          f"| top_p | {d.top_p if not d.greedy else '- (greedy)'} |",
+          f"| repetition_penalty | {d.repetition_penalty} |",
+          f"| seed | {d.seed} (re-seeded before every model x prompt) |",
+          f"| prompt format | chat template: {template_name} (as in training) |",
+          "", "## Models", "", "| name | adapter | sha256 |", "|---|---|---|", "| base | none | - |"]
+    md += [f"| {r.name} | `{r.path}` | {r.sha256[:12]} |" for r in refs]
+    if result.scores:
+        md += ["", "## Scores (prompts with a reference; case, spaces and end punctuation ignored)", "",
+               "| model | exact match | contains | n |", "|---|---|---|---|"]
+        md += [f"| {n} | {s['exact']:.1%} | {s['contains']:.1%} | {s['n']} |" for n, s in result.scores.items()]
+    md += ["", "## Outputs"]
+    for i, p in enumerate(result.prompts):
+        md += ["", f"### Prompt {i + 1}", "", fence + "text", p.text, fence]
+        if p.reference is not None:
+            md += ["", f"Reference: `{p.reference}`"]
+        for name, outs in result.outputs.items():
+            md += ["", f"**{name}**", "", fence + "text", outs[i], fence]
+    return "\n".join(md) + "\n"
+
+
+def main(args) -> None:
+    """`relaytune compare` (see cli.py for the options)."""
+    d = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.repetition_penalty, args.seed)
+    result = compare_run(args.run_dir, args.prompts, args.checkpoints, d, args.report, args.config)
+    print(side_by_side(result))
+    print(f"report: {result.report}")

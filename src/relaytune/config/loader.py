@@ -1,0 +1,193 @@
+"""Turn a YAML file plus `key=value` overrides into a validated TrainConfig.
+
+Every error names where the bad value came from (file and line, or the
+override) and what would be valid, and is raised as UserError (exit 2).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from relaytune.config.schema import ALIASES, TrainConfig
+from relaytune.errors import UserError
+
+
+def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
+                overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
+    """Build a TrainConfig from a YAML path, a dict, or an existing config, then apply overrides."""
+    if isinstance(source, TrainConfig) and not overrides:
+        return source
+    where: dict[str, str] = {}
+    if isinstance(source, TrainConfig):
+        raw = source.model_dump(exclude_unset=True)
+        where = {k: "the given config" for k in raw}
+    elif isinstance(source, dict):
+        raw = dict(source)
+        where = {k: "the given settings" for k in raw}
+    elif source is None:
+        raw = {}
+    else:
+        raw, where = _read_yaml(Path(source))
+    raw, where = _apply_aliases(raw, where)
+    for key, value in parse_overrides(overrides).items():
+        key = ALIASES.get(key, key)
+        raw[key] = value
+        where[key] = f"the override {key}={value!r}" if not isinstance(value, str) else f"the override {key}={value}"
+    _reject_unknown(raw, where)
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(_explain(e, raw, where)) from None
+
+
+def _read_yaml(path: Path) -> tuple[dict, dict[str, str]]:
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise UserError(f"{path}{at}: not valid YAML: {problem}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict) or not isinstance(node, yaml.MappingNode):
+        raise UserError(f"{path}: the config must be a flat mapping of key: value lines")
+    where = {}
+    for key_node, _ in node.value:
+        where[str(key_node.value)] = f"{path}:{key_node.start_mark.line + 1}"
+    return {str(k): v for k, v in data.items()}, where
+
+
+def _apply_aliases(raw: dict, where: dict[str, str]) -> tuple[dict, dict[str, str]]:
+    out, out_where, written = {}, {}, {}
+    for key, value in raw.items():
+        canonical = ALIASES.get(key, key)
+        if canonical in out:
+            raise UserError(
+                f"{where.get(key, key)}: `{written[canonical]}` and `{key}` name the same setting; keep one")
+        out[canonical] = value
+        out_where[canonical] = where.get(key, "")
+        written[canonical] = key
+    return out, out_where
+
+
+def parse_overrides(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
+    if not overrides:
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    parsed = {}
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not key=value (e.g. learning_rate=1e-4)")
+        key, text = item.split("=", 1)
+        try:
+            parsed[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            parsed[key.strip()] = text
+    return parsed
+
+
+# Hugging Face keys that configs copied from TRL / Trainer scripts carry, with what to do instead.
+HF_ONLY_KEYS = {
+    "evaluation_strategy": "evaluation runs every `eval_steps` when there is eval data; remove it",
+    "eval_strategy": "evaluation runs every `eval_steps` when there is eval data; remove it",
+    "save_strategy": "checkpoints are committed every `save_steps` and every `save_every_seconds`; remove it",
+    "logging_strategy": "`logging_steps` sets the interval; remove it",
+    "auto_find_batch_size": "an out-of-memory error halves the micro-batch in place, always; remove it",
+    "per_device_eval_batch_size": "evaluation uses the training micro-batch; remove it",
+    "output_dir_overwrite": "relaytune never overwrites a run; use a new output_dir",
+    "overwrite_output_dir": "relaytune never overwrites a run; use a new output_dir",
+}
+
+
+def _reject_unknown(raw: dict, where: dict[str, str]) -> None:
+    valid = list(TrainConfig.model_fields) + list(ALIASES)
+    for key in raw:
+        if key in TrainConfig.model_fields:
+            continue
+        if key in HF_ONLY_KEYS:
+            raise UserError(f"{_at(where, key)}`{key}` is not a key: {HF_ONLY_KEYS[key]}")
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        hint = f"; did you mean `{ALIASES.get(close[0], close[0])}`?" if close else \
+            "; `relaytune train --help` lists the keys"
+        raise UserError(f"{_at(where, key)}`{key}` is not a key{hint}")
+
+
+def _at(where: dict[str, str], key: str) -> str:
+    return f"{where[key]}: " if where.get(key) else ""
+
+
+def _explain(error: ValidationError, raw: dict, where: dict[str, str]) -> str:
+    lines = []
+    items = error.errors()
+    # A union (e.g. dataset: str | list) reports one error per alternative; the deepest is the real one.
+    deepest: dict[str, int] = {}
+    for item in items:
+        loc = item.get("loc") or ()
+        deepest[str(loc[0]) if loc else ""] = max(deepest.get(str(loc[0]) if loc else "", 0), len(loc))
+    for item in items:
+        loc = item.get("loc") or ()
+        key = str(loc[0]) if loc else ""
+        if len(loc) < deepest.get(key, 0):
+            continue
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden" and len(loc) > 1:
+            lines.append(_nested_unknown_key(loc, where))
+            continue
+        if item["type"] == "missing":
+            lines.append(f"`{key}` is required: {TrainConfig.model_fields[key].description}")
+            continue
+        if key in TrainConfig.model_fields:
+            allowed = _allowed(key)
+            suffix = f" (allowed: {allowed})" if allowed and "literal" in item["type"] else ""
+            lines.append(f"{_at(where, key)}`{key}`: {msg}; got {raw.get(key)!r}{suffix}")
+        else:
+            lines.append(msg)
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _nested_unknown_key(loc: tuple, where: dict[str, str]) -> str:
+    """`wieght` inside a `dataset:` list entry: name the entry and suggest the field."""
+    from relaytune.config.datasets import DatasetSource
+
+    key, bad = str(loc[0]), str(loc[-1])
+    index = next((p for p in loc[1:] if isinstance(p, int)), 0)
+    fields = list(DatasetSource.model_fields)
+    close = difflib.get_close_matches(bad, fields, n=1, cutoff=0.6)
+    hint = f"; did you mean `{close[0]}`?" if close else f"; an entry takes {', '.join(fields)}"
+    return f"{_at(where, key)}`{key}[{index}]`: `{bad}` is not a key{hint}"
+
+
+def _allowed(key: str) -> str:
+    annotation = TrainConfig.model_fields[key].annotation
+    options: list[str] = []
+    for arg in typing.get_args(annotation) or (annotation,):
+        if typing.get_origin(arg) is typing.Literal:
+            options += [repr(a) for a in typing.get_args(arg)]
+    if typing.get_origin(annotation) is typing.Literal:
+        options += [repr(a) for a in typing.get_args(annotation)]
+    return ", ".join(options)
+
+
+def field_help() -> list[tuple[str, str, str]]:
+    """(key, default, docstring) for every field, in declaration order, for --help."""
+    rows = []
+    for name, field in TrainConfig.model_fields.items():
+        default = "required" if field.is_required() else repr(field.default)
+        rows.append((name, default, " ".join((field.description or "").split())))
+    return rows

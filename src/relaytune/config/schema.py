@@ -1,0 +1,334 @@
+"""The typed run configuration: the single source of truth for every setting.
+
+Each field's docstring is its `--help` text. Names follow Hugging Face
+TrainingArguments / SFTConfig where one exists, with the same meaning.
+Loading (YAML, overrides, error messages) lives in `config_loader`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from relaytune.config.datasets import DatasetSource, Format, check_columns
+
+BUILTIN_MODEL = "builtin:SmolLM2-135M-Instruct"
+
+# Keys that may be written under another name, as in TRL / axolotl configs.
+ALIASES = {
+    "model_name_or_path": "model",
+    "base_model": "model",
+    "max_length": "max_seq_length",
+}
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=False)
+
+    # --- what to train -------------------------------------------------------
+    model: str = BUILTIN_MODEL
+    """Base model: a Hub id, a local folder, a .gguf file, or the built-in default
+    `builtin:SmolLM2-135M-Instruct` (aliases: model_name_or_path, base_model)."""
+    dataset: str | list[str | DatasetSource]
+    """Training data: a .jsonl/.json/.csv/.parquet file, a folder of them, a saved `datasets`
+    folder, or a Hub dataset id (id:split for a split). To mix several: a list of
+    {path, weight, split, subset, format, columns}; weight 2 uses each row twice per epoch, 0.3 a
+    seeded 30% of the rows."""
+    output_dir: str
+    """Run folder: checkpoints/, final/ and metrics.jsonl live here. Re-running continues the run in it."""
+    trust_remote_code: bool = False
+    """Run Python code shipped with a Hub model. Off by default: that code runs with your
+    permissions. Turn on only for a model you trust that needs it."""
+
+    # --- data ------------------------------------------------------------------
+    max_seq_length: int = 1024
+    """Longest sequence in tokens (alias max_length); longer rows: see on_long_rows."""
+    dataset_text_field: str = "text"
+    """Column that holds plain text, for plain-text data."""
+    train_on_inputs: bool = False
+    """Compute the loss on prompt tokens too. Off: loss only on assistant / response tokens."""
+    packing: bool = False
+    """Pack several short rows into one sequence of max_seq_length tokens (best-fit decreasing,
+    fixed by the seed). Packed rows never attend to each other: each has its own positions."""
+    val_set_size: float = 0.0
+    """Hold out part of the training data for evaluation: a fraction (<1) or a row count (>=1)."""
+    eval_dataset: str | None = None
+    """A separate evaluation data file; overrides val_set_size."""
+    dataset_format: Format = "auto"
+    """Row format: auto (recognised per row), text, alpaca (instruction/input/output, optional
+    system), messages (OpenAI role/content), sharegpt (conversations of from/value), or
+    prompt_completion (strings, or lists of messages)."""
+    dataset_columns: dict[str, str] | None = None
+    """Your column names for the standard fields, e.g. {instruction: question, output: answer}.
+    Fields: text, instruction, input, output, system, prompt, completion, messages,
+    conversations, role, content, from, value."""
+    chat_template: str | None = None
+    """Chat template for chat rows. Unset: the tokenizer's own (a plain '### Role:' format if it
+    has none). Or a name: chatml, llama3, gemma, mistral, phi3, zephyr, plain; or a .jinja file."""
+    on_long_rows: Literal["truncate", "drop", "error"] = "truncate"
+    """Rows longer than max_seq_length: truncate them, drop them (listed in quarantine.jsonl),
+    or stop with an error that names them."""
+    max_bad_fraction: float = 0.01
+    """Stop before training when more than this fraction of rows is unusable (0 to 1). Bad rows
+    are listed in output_dir/quarantine.jsonl with file:line and reason."""
+    dataset_cache: bool = True
+    """Cache the tokenized data in output_dir/data-cache/, so that a resumed run, in any new
+    session, does not tokenize again. Any change that matters re-tokenizes."""
+
+    @field_validator("dataset_columns")
+    @classmethod
+    def _columns(cls, v):
+        return check_columns(v)
+
+    @field_validator("dataset")
+    @classmethod
+    def _some_data(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("the list of datasets is empty")
+        return v
+
+    @field_validator("max_bad_fraction")
+    @classmethod
+    def _bad_fraction(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise ValueError("must be between 0 and 1")
+        return v
+
+    # --- schedule --------------------------------------------------------------
+    num_train_epochs: float = 3.0
+    """Passes over the training data (fractions allowed). Ignored when max_steps > 0."""
+    max_steps: int = -1
+    """Total optimizer steps; -1 means derive from num_train_epochs."""
+    per_device_train_batch_size: int = 8
+    """Rows per forward pass (the micro-batch). Only decides how a global batch is split."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Global batch = per_device_train_batch_size x this."""
+    learning_rate: float = 2e-4
+    """Peak learning rate of the AdamW optimizer."""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """Learning-rate schedule after warmup."""
+    warmup_ratio: float = 0.0
+    """Fraction of the total steps spent warming up linearly from 0."""
+    warmup_steps: int = 0
+    """Warmup length in steps; overrides warmup_ratio when > 0."""
+    weight_decay: float = 0.0
+    """Decoupled AdamW weight decay on the trainable weight matrices."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    """Optimizer. The 8-bit ones (bitsandbytes) keep their state in 8 bits."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    seed: int = 42
+    """Seed for initialisation, data order and dropout."""
+
+    # --- precision and memory --------------------------------------------------
+    bf16: bool | None = None
+    """bfloat16 mixed precision. Unset: on where the GPU supports it. A GPU without bf16
+    (a T4) gets fp16 instead, with a notice."""
+    fp16: bool | None = None
+    """float16 mixed precision with a gradient scaler. Unset: on for GPUs without bf16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (always the non-reentrant kind)."""
+    load_in_4bit: bool = False
+    """Load the base model in 4 bits (QLoRA) with bitsandbytes."""
+    load_in_8bit: bool = False
+    """Load the base model in 8 bits with bitsandbytes."""
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    """4-bit data type."""
+    bnb_4bit_use_double_quant: bool = True
+    """Quantize the 4-bit quantization constants too (saves about 0.4 bit per weight)."""
+    bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Compute dtype for 4-bit layers; auto follows the mixed-precision choice."""
+
+    # --- LoRA ------------------------------------------------------------------
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = lora_alpha / lora_r)."""
+    lora_dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    lora_target_modules: list[str] | str = "all-linear"
+    """Modules that get adapters: a list of names, or all-linear (every linear layer but the head)."""
+
+    # --- recovery inside the run --------------------------------------------------
+    max_bad_steps: int = 3
+    """After this many optimizer steps in a row with a NaN/Inf loss or gradient (each one is
+    skipped, not applied), roll back to the last checkpoint (see on_repeated_nan)."""
+    on_repeated_nan: Literal["lower_lr", "stop"] = "lower_lr"
+    """lower_lr: roll back and continue with the learning rate times nan_lr_factor;
+    stop: roll back and stop with a diagnosis."""
+    nan_lr_factor: float = 0.5
+    """Learning-rate multiplier applied at each NaN rollback."""
+
+    # --- logging, evaluation, checkpoints ----------------------------------------
+    logging_steps: int = 10
+    """Write a metrics.jsonl record every this many steps."""
+    eval_steps: int | None = None
+    """Evaluate every this many steps (needs eval data). Unset: evaluate at the end only."""
+    save_steps: int = 500
+    """Commit a checkpoint every this many steps."""
+    save_every_seconds: float = 30.0
+    """Also commit a checkpoint when this many seconds passed since the last one; 0 disables.
+    A kill loses at most this much work."""
+    save_total_limit: int | None = 3
+    """Keep the newest this many checkpoints (plus the best by eval loss). Unset keeps all."""
+    save_only_model: bool = False
+    """Leave the optimizer state out of checkpoints. Smaller, but a resume restarts AdamW's
+    moments, so it is no longer exact."""
+    resume_from_checkpoint: bool | str = "auto"
+    """auto: continue from the newest valid checkpoint; a path: continue from it;
+    false: refuse to touch an existing run (use --fresh to start over)."""
+    mirror_to: str | None = None
+    """Copy each committed checkpoint to durable storage in the background: a folder (e.g. a
+    mounted Google Drive) or an fsspec URL (s3://, gs://, hf://). A new session with an empty
+    output_dir restores from it."""
+    deadline: str | None = None
+    """Stop, save and exit 75 before this wall-clock time (ISO 8601, e.g. 2026-12-01T06:00:00Z)."""
+    time_limit: str | None = None
+    """Stop, save and exit 75 before this much wall time has passed, e.g. 11h30m or 90m."""
+
+    # --- looking inside a run: trackers and the best checkpoint --------------------
+    report_to: str | list[str] = "none"
+    """Experiment trackers besides metrics.jsonl (always written): none, tensorboard, wandb,
+    trackio, mlflow, all, or a list. A resumed run continues the same tracker run at the right
+    step. A tracker that fails to import or to connect is warned about once; training goes on."""
+    run_name: str | None = None
+    """Name of the run in trackers. Unset: the output_dir folder name."""
+    load_best_model_at_end: bool = False
+    """End with the adapter of the lowest eval loss in final/ (needs eval data). Either way
+    best/ holds the best adapter and final/ the chosen one."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, v):
+        names = [v] if isinstance(v, str) else list(v or ["none"])
+        names = [n.strip().lower() for item in names for n in str(item).split(",") if n.strip()]
+        known = ("tensorboard", "wandb", "trackio", "mlflow")
+        if "all" in names:
+            names = list(known)
+        bad = [n for n in names if n not in known + ("none",)]
+        if bad:
+            raise ValueError(f"unknown tracker {bad[0]!r}; choose from none, {', '.join(known)}, all")
+        names = [n for n in names if n != "none"]
+        return names if len(names) > 1 else (names[0] if names else "none")
+
+    @model_validator(mode="after")
+    def _best_needs_eval(self) -> "TrainConfig":
+        if self.load_best_model_at_end and not (self.eval_dataset or self.val_set_size > 0):
+            raise ValueError("load_best_model_at_end needs eval data: set eval_dataset or val_set_size")
+        return self
+
+    @field_validator("model", "dataset", "output_dir")
+    @classmethod
+    def _not_empty(cls, v: str) -> str:
+        if not str(v).strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator(
+        "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length",
+        "lora_r", "lora_alpha", "logging_steps", "save_steps", "max_bad_steps",
+    )
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("learning_rate", "num_train_epochs")
+    @classmethod
+    def _positive_float(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError("must be greater than 0")
+        return v
+
+    @field_validator("warmup_ratio", "lora_dropout")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0 <= v < 1:
+            raise ValueError("must be between 0 and 1 (excluded)")
+        return v
+
+    @field_validator("time_limit")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v)
+        return v
+
+    @field_validator("deadline")
+    @classmethod
+    def _timestamp(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_timestamp(v)
+        return v
+
+    @field_validator("nan_lr_factor")
+    @classmethod
+    def _shrink(cls, v: float) -> float:
+        if not 0 < v < 1:
+            raise ValueError("must be between 0 and 1 (excluded)")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "TrainConfig":
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are both true; choose one (or leave both unset for auto)")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("load_in_4bit and load_in_8bit are both true; choose one")
+        if self.max_steps > 0 and self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) is not shorter than the run "
+                f"(max_steps {self.max_steps}); the learning rate would never reach its peak"
+            )
+        if self.eval_steps is not None and self.eval_steps < 1:
+            raise ValueError("eval_steps must be at least 1 (or unset)")
+        if self.save_every_seconds < 0:
+            raise ValueError("save_every_seconds must be 0 (off) or positive")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError("save_total_limit must be at least 1 (or unset to keep all)")
+        return self
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+
+def parse_duration(text: str) -> float:
+    """'11h30m', '90m', '45s', '2h', or plain seconds -> seconds."""
+    import re
+
+    s = str(text).strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", s):
+        return float(s)
+    parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", s)
+    if not s or not parts or not any(parts.groups()):
+        raise ValueError(f"{text!r} is not a duration; write e.g. 11h30m, 90m, 45s")
+    d, h, m, sec = (int(g or 0) for g in parts.groups())
+    return float(((d * 24 + h) * 60 + m) * 60 + sec)
+
+
+def parse_timestamp(text: str) -> float:
+    """ISO 8601 time -> Unix seconds; a time without a zone is local time."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(str(text).strip().replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO 8601 time; write e.g. 2026-12-01T06:00:00Z") from None
+
+
+# Keys whose change between sessions breaks exact continuation.
+HARMLESS_KEYS = {
+    "logging_steps", "eval_steps", "save_steps", "save_every_seconds", "save_total_limit",
+    "save_only_model", "resume_from_checkpoint", "time_limit", "deadline", "mirror_to", "output_dir",
+    "max_bad_steps", "on_repeated_nan", "report_to", "run_name", "load_best_model_at_end",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "eval_dataset",
+    "dataset_cache", "max_bad_fraction",  # the data fingerprint still guards the rows themselves
+}

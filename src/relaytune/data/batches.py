@@ -1,0 +1,107 @@
+"""The order in which rows are trained, as a pure function of (seed, epoch).
+
+Step s always trains the same global batch: epoch s // steps_per_epoch, batch
+s % steps_per_epoch of that epoch's permutation. A resume at step s seeks there
+in O(1) without touching skipped data, and the micro-batch size only decides
+how the global batch is cut, never which rows it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from relaytune.data.prepare import IGNORE, TokenRow
+from relaytune.data.packing import position_ids
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the next global batch starts."""
+
+    epoch: int
+    batch: int
+
+    def as_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+
+class DataOrder:
+    def __init__(self, n_rows: int, global_batch: int, seed: int):
+        self.n_rows = n_rows
+        self.global_batch = global_batch
+        self.seed = seed
+        self.steps_per_epoch = math.ceil(n_rows / global_batch)
+
+    def cursor(self, step: int) -> Cursor:
+        return Cursor(step // self.steps_per_epoch, step % self.steps_per_epoch)
+
+    def batch_rows(self, step: int) -> list[int]:
+        """Row indices of the global batch that optimizer step `step` (0-based) consumes."""
+        c = self.cursor(step)
+        perm = self._permutation(c.epoch)
+        return perm[c.batch * self.global_batch:(c.batch + 1) * self.global_batch].tolist()
+
+    @lru_cache(maxsize=2)
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+
+
+def total_steps(n_rows: int, global_batch: int, num_train_epochs: float, max_steps: int) -> int:
+    if max_steps > 0:
+        return max_steps
+    return max(1, math.ceil(num_train_epochs * math.ceil(n_rows / global_batch)))
+
+
+def micro_batches(rows: list[TokenRow], micro_batch_size: int, pad_id: int, flat: bool = False):
+    """Cut a global batch into padded micro-batches, keeping row order (see `collate`)."""
+    for start in range(0, len(rows), micro_batch_size):
+        yield collate(rows[start:start + micro_batch_size], pad_id, flat)
+
+
+def collate(rows: list[TokenRow], pad_id: int, flat: bool = False) -> dict[str, torch.Tensor]:
+    """Pad a micro-batch. Packed rows get per-sample position_ids and no attention_mask:
+    from those, transformers builds a block-diagonal causal mask (SDPA/eager/flex), so packed
+    samples never attend to each other. (It skips that detection when a KV cache is in use:
+    training runs with config.use_cache=False.)
+
+    flat=True lays the whole micro-batch out as one row without padding, the only layout in
+    which transformers' flash attention switches to varlen (`packing.flat_layout(model)`).
+    """
+    if flat:
+        return _flat(rows)
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r.input_ids)
+        ids[i, :n] = torch.from_numpy(np.asarray(r.input_ids, dtype=np.int64))
+        labels[i, :n] = torch.from_numpy(np.asarray(r.labels, dtype=np.int64))
+    if any(r.segments is not None for r in rows):
+        pos = np.stack([position_ids(r.segments or (len(r.input_ids),), width) for r in rows])
+        return {"input_ids": ids, "labels": labels, "position_ids": torch.from_numpy(pos).long()}
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        mask[i, :len(r.input_ids)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _flat(rows: list[TokenRow]) -> dict[str, torch.Tensor]:
+    ids = np.concatenate([np.asarray(r.input_ids, dtype=np.int64) for r in rows])
+    labels = np.concatenate([np.asarray(r.labels, dtype=np.int64) for r in rows])
+    start = 0
+    for r in rows[:-1]:
+        start += len(r.input_ids)
+        labels[start] = IGNORE  # a row boundary is a sample boundary: no label across it
+    pos = np.concatenate([position_ids(r.segments or (len(r.input_ids),), len(r.input_ids)) for r in rows])
+    return {"input_ids": torch.from_numpy(ids)[None], "labels": torch.from_numpy(labels)[None],
+            "position_ids": torch.from_numpy(pos).long()[None]}
+
+
+def count_targets(rows: list[TokenRow]) -> int:
+    """Tokens that carry loss (labels are shifted by one inside the model's loss)."""
+    return sum(r.targets for r in rows)

@@ -1,0 +1,238 @@
+"""Read rows from data files, folders and `datasets` sources, each with its origin.
+
+Every row keeps where it came from ("path:line" for jsonl, json and csv,
+"path:row N" for parquet and datasets) so that any later error can name it.
+A row that cannot even be read (bad bytes, bad JSON) is still returned, with
+`error` set, so that it is quarantined like any other bad row; only a file that
+cannot be read at all raises UserError.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from relaytune.data.formats import BadRow, Row, normalise  # noqa: F401  (re-exported for callers)
+from relaytune.config.datasets import DatasetSource
+from relaytune.errors import UserError
+
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+METADATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # not rows
+_loaded: dict[tuple, object] = {}  # datasets loaded this process, so a cache miss loads once
+
+
+def read_rows(source: str | DatasetSource) -> list[Row]:
+    """All rows of a source, in a stable order."""
+    spec = DatasetSource(path=source) if isinstance(source, str) else source
+    files = data_files(spec)
+    if files is None:
+        ds = _load_datasets(spec)
+        return [Row(f"{spec.path}:row {i + 1}", dict(r)) for i, r in enumerate(ds)]
+    rows: list[Row] = []
+    for f in files:
+        rows += read_file(f)
+    return rows
+
+
+def source_digest(spec: DatasetSource) -> str:
+    """A content hash of the source: its files' bytes, or the `datasets` fingerprint."""
+    files = data_files(spec)
+    h = hashlib.sha256()
+    if files is None:
+        h.update(f"datasets:{_load_datasets(spec)._fingerprint}".encode())
+        return h.hexdigest()
+    root = Path(spec.path).expanduser()
+    for f in files:
+        if f != root:  # in a folder, which file holds which rows counts; a single file's name does not
+            h.update(str(f.relative_to(root)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def data_files(spec: DatasetSource) -> list[Path] | None:
+    """The data files a source reads, or None for a source that `datasets` loads."""
+    path = Path(spec.path).expanduser()
+    if path.is_file():
+        if path.suffix not in SUFFIXES:
+            raise UserError(f"`dataset`: {path} is a {path.suffix or 'suffix-less'} file; "
+                            f"expected {', '.join(SUFFIXES)}")
+        return [path]
+    if path.is_dir():
+        if spec.split or _is_saved_dataset(path):
+            return None  # a Hub-style folder with splits, or datasets' save_to_disk output
+        files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()
+                       and p.name not in METADATA
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise UserError(f"`dataset`: the folder {path} holds no {'/'.join(SUFFIXES)} files")
+        return files
+    if spec.path.startswith((".", "/", "~")) or Path(spec.path).suffix in SUFFIXES:
+        raise UserError(f"`dataset`: {spec.path} does not exist")
+    return None  # a Hub id
+
+
+def read_file(path: Path) -> list[Row]:
+    if path.suffix == ".jsonl":
+        return list(_read_jsonl(path))
+    if path.suffix == ".json":
+        return _read_json(path)
+    if path.suffix == ".csv":
+        return _read_csv(path)
+    return _read_parquet(path)
+
+
+def _read_jsonl(path: Path):
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            origin = f"{path}:{number}"
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte-order mark, as some editors write
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Row(origin, error=f"not UTF-8 (bad byte at column {e.start + 1})")
+                continue
+            try:
+                value = json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as e:
+                msg = f"{e.msg}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deep"
+                yield Row(origin, error=f"not valid JSON ({msg})")
+                continue
+            if isinstance(value, dict):
+                yield Row(origin, value)
+            else:
+                yield Row(origin, error=f"not a JSON object (a {type(value).__name__})")
+
+
+def _read_json(path: Path) -> list[Row]:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 (bad byte at offset {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{path}: not valid JSON: nested too deep") from None
+    if isinstance(data, list):
+        lines = _element_lines(text, len(data))
+        if len(set(lines)) == len(lines):
+            return [_row(f"{path}:{line}", r) for line, r in zip(lines, data)]
+        return [_row(f"{path}:row {i + 1}", r) for i, r in enumerate(data)]  # rows share lines
+    lists = [k for k, v in data.items() if isinstance(v, list)] if isinstance(data, dict) else []
+    if len(lists) == 1:  # {"data": [...]} or {"train": [...]}: rows are numbered, not lined
+        return [_row(f"{path}:{lists[0]}[{i}]", r) for i, r in enumerate(data[lists[0]])]
+    raise UserError(f"{path}: a .json data file must hold a list of rows (or an object with one list)")
+
+
+def _element_lines(text: str, n: int) -> list[int]:
+    """Line number of each element of a top-level JSON array (the text parsed already)."""
+    decoder, skip = json.JSONDecoder(), " \t\n\r,"
+    lines, i, line, seen = [], text.index("[") + 1, 1, 0
+    for _ in range(n):
+        while text[i] in skip:
+            i += 1
+        line += text.count("\n", seen, i)
+        seen = i
+        lines.append(line)
+        _, i = decoder.raw_decode(text, i)
+    return lines
+
+
+def _row(origin: str, value) -> Row:
+    if isinstance(value, dict):
+        return Row(origin, value)
+    return Row(origin, error=f"not a JSON object (a {type(value).__name__})")
+
+
+def _read_csv(path: Path) -> list[Row]:
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long texts exceed the 128 KiB default
+    rows: list[Row] = []
+    # surrogateescape keeps undecodable bytes visible, so only their rows are rejected
+    with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+        reader = csv.reader(fh)
+        try:
+            header = next(reader, None)
+            if header is None:
+                return []
+            if any(not h.isascii() and _bad_text(h) for h in header):
+                raise UserError(f"{path}:1: the header is not UTF-8")
+            start = reader.line_num + 1
+            for record in reader:
+                origin = f"{path}:{start}"
+                start = reader.line_num + 1
+                if not any(record):
+                    continue
+                if len(record) > len(header):
+                    rows.append(Row(origin, error=f"{len(record)} fields, but the header has {len(header)}"))
+                elif any(not v.isascii() and _bad_text(v) for v in record):
+                    rows.append(Row(origin, error="not UTF-8 (undecodable bytes)"))
+                else:  # a short record leaves the missing fields out, so they read as missing
+                    rows.append(Row(origin, dict(zip(header, record))))
+        except csv.Error as e:
+            raise UserError(f"{path}:{reader.line_num}: not valid CSV: {e}") from None
+    return rows
+
+
+def _bad_text(v: str) -> bool:
+    try:
+        v.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _read_parquet(path: Path) -> list[Row]:
+    try:
+        import pyarrow.parquet as pq
+        table = pq.read_table(path)
+        records = table.to_pylist()
+    except Exception as e:  # pyarrow raises its own error types for malformed files
+        raise UserError(f"{path}: cannot read as parquet: {e}") from None
+    return [Row(f"{path}:row {i + 1}", r) for i, r in enumerate(records)]
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _load_datasets(spec: DatasetSource):
+    """A `datasets` source: a save_to_disk folder, a local folder with a split, or a Hub id."""
+    name, split = spec.path, spec.split
+    if split is None and not Path(name).expanduser().exists() and ":" in name:
+        name, _, split = name.partition(":")  # the short form "org/name:split"
+    key = (name, split, spec.subset)
+    if key in _loaded:
+        return _loaded[key]
+    try:
+        import datasets
+
+        local = Path(name).expanduser()
+        if local.is_dir() and _is_saved_dataset(local):
+            ds = datasets.load_from_disk(str(local))
+            if isinstance(ds, datasets.DatasetDict):
+                if (split or "train") not in ds:
+                    raise UserError(f"`dataset`: {name} has no split {split or 'train'!r}; "
+                                    f"it has {', '.join(ds)}")
+                ds = ds[split or "train"]
+        else:
+            ds = datasets.load_dataset(name, spec.subset, split=split or "train")
+    except UserError:
+        raise
+    except Exception as e:  # offline, missing, or malformed: all end here
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"`dataset`: {spec.path} is neither a data file nor a loadable dataset: "
+                        f"{first}") from None
+    _loaded[key] = ds
+    return ds

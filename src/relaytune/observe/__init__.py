@@ -1,0 +1,1 @@
+"""What a run reports: metrics.jsonl, sessions.jsonl, progress and experiment trackers."""

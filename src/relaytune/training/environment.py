@@ -1,0 +1,124 @@
+"""Where we run: Kaggle, Colab, SLURM or plain; the deadline each one implies;
+whether output_dir survives the session.
+
+Everything reads the environment passed in (default os.environ), so tests fake
+a platform by handing in a dict.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from relaytune.config.schema import TrainConfig, parse_duration, parse_timestamp
+from relaytune.log import warn
+
+KAGGLE_SESSION_SECONDS = 12 * 3600  # Kaggle's documented limit for CPU and GPU sessions
+KAGGLE_PERSISTENT = Path("/kaggle/working")
+COLAB_DRIVE = Path("/content/drive")
+
+
+def platform(env=None) -> str:
+    env = os.environ if env is None else env
+    if "KAGGLE_KERNEL_RUN_TYPE" in env or "KAGGLE_URL_BASE" in env:
+        return "kaggle"
+    if "COLAB_RELEASE_TAG" in env or "COLAB_GPU" in env or "COLAB_BACKEND_VERSION" in env:
+        return "colab"
+    if "SLURM_JOB_ID" in env:
+        return "slurm"
+    return "local"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The wall-clock time by which the run must have saved and exited, and why."""
+
+    end: float | None  # Unix time
+    source: str
+
+    def describe(self) -> str:
+        if self.end is None:
+            return "no time limit"
+        left = self.end - time.time()
+        return f"{left / 3600:.2f} h left ({self.source}; ends {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.end))})"
+
+
+def time_budget(cfg: TrainConfig, env=None, now: float | None = None,
+                session_start: float | None = None) -> Budget:
+    """The earliest of: time_limit from now, the deadline key, the platform's own limit."""
+    env = os.environ if env is None else env
+    now = time.time() if now is None else now
+    candidates: list[tuple[float, str]] = []
+    if cfg.time_limit:
+        candidates.append((now + parse_duration(cfg.time_limit), f"time_limit {cfg.time_limit}"))
+    if cfg.deadline:
+        candidates.append((parse_timestamp(cfg.deadline), f"deadline {cfg.deadline}"))
+    where = platform(env)
+    if where == "slurm":
+        end = slurm_end_time(env)
+        if end is not None:
+            candidates.append((end, f"SLURM job {env.get('SLURM_JOB_ID')} time limit"))
+    elif where == "kaggle":
+        start = session_start if session_start is not None else _machine_start_time()
+        candidates.append((start + KAGGLE_SESSION_SECONDS, "Kaggle's 12 h session limit"))
+    if not candidates:
+        return Budget(None, "none")
+    end, source = min(candidates)
+    return Budget(end, source)
+
+
+def slurm_end_time(env) -> float | None:
+    """The job's end time: SLURM_JOB_END_TIME (Slurm >= 23.02), else squeue."""
+    raw = env.get("SLURM_JOB_END_TIME")
+    if raw and raw.strip().isdigit():
+        return float(raw)
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        return parse_timestamp(out) if out and out not in ("N/A", "NONE") else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def _machine_start_time() -> float:
+    """When this machine (container) booted: a Kaggle session starts with its machine."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def storage_warnings(output_dir: Path, env=None) -> list[str]:
+    """Warnings when output_dir will not survive the session, naming the absolute path."""
+    env = os.environ if env is None else env
+    where = platform(env)
+    out = Path(output_dir).resolve()
+    if where == "kaggle" and not _inside(out, KAGGLE_PERSISTENT):
+        return [f"output_dir is {out}, outside {KAGGLE_PERSISTENT}: Kaggle keeps only "
+                f"{KAGGLE_PERSISTENT} when the session ends. Use e.g. output_dir: {KAGGLE_PERSISTENT}/run"]
+    if where == "colab" and not _inside(out, COLAB_DRIVE):
+        return [f"output_dir is {out}, on the Colab machine's own disk, which is wiped when the "
+                "session ends. Mount Google Drive (from google.colab import drive; "
+                "drive.mount('/content/drive')) and use output_dir: /content/drive/MyDrive/run, "
+                "or set mirror_to to a Drive folder"]
+    return []
+
+
+def warn_storage(output_dir: Path, env=None) -> None:
+    for message in storage_warnings(output_dir, env):
+        warn(message)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False

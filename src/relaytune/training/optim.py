@@ -1,0 +1,37 @@
+"""Optimizer and learning-rate schedule, as HF TrainingArguments define them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from relaytune.config.schema import TrainConfig
+
+
+def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            # As HF Trainer: no decay on biases and norms.
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    if cfg.optim == "adamw_torch":
+        return torch.optim.AdamW(groups, **kwargs)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.PagedAdamW8bit if cfg.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+    return cls(groups, **kwargs)
+
+
+def warmup_steps(cfg: TrainConfig, total: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total)
+
+
+def build_scheduler(cfg: TrainConfig, optimizer, total: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(cfg.lr_scheduler_type, optimizer,
+                         num_warmup_steps=warmup_steps(cfg, total), num_training_steps=total)

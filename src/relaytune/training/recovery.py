@@ -1,0 +1,81 @@
+"""In-run recovery: an OOM halves the micro-batch and redoes the step; repeated
+NaNs roll back to the last checkpoint with a lower learning rate.
+
+HF's auto_find_batch_size restarts the whole loop and resets the step counter;
+a NaN is only hidden from its logs. Here the global batch stays the same, so
+the maths stays the same, and every event is written to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import torch
+
+from relaytune.config.schema import TrainConfig
+from relaytune.log import warn
+from relaytune.checkpoint.state import Counters
+
+GIB = 1024 ** 3
+
+
+class NoSmallerBatch(Exception):
+    """An OOM at micro-batch 1: nothing left to halve."""
+
+
+def free_memory(optimizer) -> None:
+    """Drop the partial gradients of the failed step and give cached memory back."""
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def shrink_after_oom(c: Counters, global_batch: int, error: BaseException) -> tuple[int, int]:
+    """Halve the micro-batch (the accumulation grows; the global batch is unchanged)."""
+    if c.micro_batch_size <= 1:
+        raise NoSmallerBatch(str(error))
+    old = c.micro_batch_size
+    c.micro_batch_size = max(1, old // 2)
+    c.accumulation = math.ceil(global_batch / c.micro_batch_size)
+    warn(f"out of memory at micro-batch {old}; redoing step {c.step + 1} with micro-batch "
+         f"{c.micro_batch_size} x {c.accumulation} (same global batch, same maths)")
+    return old, c.micro_batch_size
+
+
+def memory_breakdown() -> str:
+    if not torch.cuda.is_available():
+        return "memory breakdown: not on a GPU"
+    allocated = torch.cuda.memory_allocated() / GIB
+    reserved = torch.cuda.memory_reserved() / GIB
+    peak = torch.cuda.max_memory_allocated() / GIB
+    free, total = torch.cuda.mem_get_info()
+    return (f"memory: {allocated:.2f} GiB allocated, {reserved:.2f} GiB reserved, peak {peak:.2f} GiB, "
+            f"{free / GIB:.2f} GiB free of {total / GIB:.2f} GiB")
+
+
+def oom_advice(cfg: TrainConfig) -> str:
+    tips = [f"a shorter max_seq_length (now {cfg.max_seq_length}; note: changing it starts a new run)"]
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        tips.append("load_in_4bit: true (QLoRA)")
+    if not cfg.gradient_checkpointing:
+        tips.append("gradient_checkpointing: true")
+    if cfg.optim == "adamw_torch":
+        tips.append("optim: paged_adamw_8bit")
+    return ("out of memory even at micro-batch 1. What else would help:\n  - " + "\n  - ".join(tips)
+            + f"\n  {memory_breakdown()}")
+
+
+def is_bad_step(loss: float, grad_norm: float, uses_scaler: bool) -> bool:
+    """A step that must not count as progress: non-finite loss, or non-finite gradients
+    without a gradient scaler (with fp16 scaling, an overflow is routine and handled by it)."""
+    return not math.isfinite(loss) or (not uses_scaler and not math.isfinite(grad_norm))
+
+
+def lower_learning_rate(scheduler, optimizer, factor: float) -> None:
+    """Scale the schedule's peak, and the rate in force now, by `factor`."""
+    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

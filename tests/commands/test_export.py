@@ -1,0 +1,98 @@
+"""`relaytune export`: adapter and merged model, loadable, same logits; 4-bit and disk refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+
+import pytest
+from support.trained_run import finished_run, one_thread
+
+from relaytune.commands import export
+from relaytune.cli import main
+from relaytune.errors import UserError
+
+
+@pytest.fixture
+def run(tmp_path_factory, tiny_model):
+    return finished_run(tmp_path_factory, tiny_model)  # export only reads the run
+
+
+def _logits(model):
+    import torch
+
+    ids = torch.tensor([[1, 366, 201, 21, 385, 338, 2, 201, 1, 301, 382, 86, 201]])
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+def _base_plus_adapter(tiny_model, adapter):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return _logits(PeftModel.from_pretrained(base, adapter))
+
+
+def test_merged_export_loads_alone_and_matches_base_plus_adapter(run, tiny_model, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "merged"
+    with one_thread():
+        assert main(["export", str(run), "--checkpoint", "step-8", "--merge", "--max-shard-size", "150KB",
+                     "--out", str(out)]) == 0
+        names = {p.name for p in out.iterdir()}
+        assert "model.safetensors.index.json" in names and len([n for n in names if n.startswith("model-")]) > 1
+        assert not names & {"adapter_config.json", "adapter_model.safetensors"}
+        merged = AutoModelForCausalLM.from_pretrained(out)
+        assert merged.dtype == torch.float32  # the base's own dtype ("auto")
+        expected = _base_plus_adapter(tiny_model, run / "checkpoints" / "step-8")
+        torch.testing.assert_close(_logits(merged), expected, rtol=1e-4, atol=1e-5)
+        # the adapter really changed something: the merge is not just the base
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model)
+        assert not torch.allclose(_logits(plain), expected, atol=1e-4)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    info = json.loads((out / "relaytune_export.json").read_text())
+    assert info["adapter"] == "step-8" and info["merged"] is True
+
+
+def test_adapter_export_loads_with_peft_and_carries_tokenizer(run, tiny_model, tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    out = export.export_run(run, tmp_path / "adapter")  # default: final/
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert (out / "adapter_model.safetensors").read_bytes() == (run / "final" / "adapter_model.safetensors").read_bytes()
+    with one_thread():
+        torch.testing.assert_close(_base_plus_adapter(tiny_model, out),
+                                   _base_plus_adapter(tiny_model, run / "final"))
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    with pytest.raises(UserError, match="not empty"):
+        export.export_run(run, out)
+
+
+def test_merge_into_a_quantized_base_is_refused(run, tiny_model, tmp_path):
+    base = tmp_path / "base-4bit"
+    shutil.copytree(tiny_model, base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4"}
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="full-precision base"):
+        export.export_run(run, tmp_path / "out", merge=True, base=str(base))
+    assert not (tmp_path / "out").exists()
+    assert main(["export", str(run), "--merge", "--base", str(base), "--out", str(tmp_path / "out")]) == 2
+
+
+def test_disk_space_is_checked_before_writing(run, tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(export.shutil, "disk_usage", lambda p: Usage(10 ** 9, 10 ** 9, 1000))
+    with pytest.raises(UserError, match="not enough disk space"):
+        export.export_run(run, tmp_path / "merged", merge=True)
+    with pytest.raises(UserError, match="not enough disk space"):
+        export.export_run(run, tmp_path / "adapter")
+    assert not any(p.name.startswith((".relaytune-tmp", "merged", "adapter")) for p in tmp_path.iterdir())
