@@ -76,11 +76,11 @@ def resolve_source(cfg: TrainConfig) -> ModelSource:
     return ModelSource(name, None, name)  # a Hub id
 
 
-def load_tokenizer(cfg: TrainConfig):
+def load_tokenizer(cfg: TrainConfig, src: ModelSource | None = None):
     from transformers import AutoTokenizer
 
-    src = resolve_source(cfg)
-    tok = _from_pretrained(AutoTokenizer, src, cfg)
+    src = src or resolve_source(cfg)
+    tok = load_pretrained(AutoTokenizer, src, cfg)
     if tok.pad_token is None:
         # Pad positions carry no loss and no attention, so any id works; eos is always there.
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
@@ -111,23 +111,23 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
-def load_model(cfg: TrainConfig, precision: Precision):
+def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None = None):
     """The base model with a fresh LoRA adapter on it, ready for training."""
     import_bitsandbytes()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    src = resolve_source(cfg)
+    src = src or resolve_source(cfg)
     kwargs: dict = {"dtype": precision.dtype}
     quantized = cfg.load_in_4bit or cfg.load_in_8bit
     if quantized:
         kwargs["quantization_config"] = _bnb_config(cfg, precision)
         kwargs["device_map"] = {"": precision.device.index if precision.device.type == "cuda" else "cpu"}
-    model = _from_pretrained(AutoModelForCausalLM, src, cfg, **kwargs)
+    model = load_pretrained(AutoModelForCausalLM, src, cfg, **kwargs)
     if not quantized:
         model.to(precision.device)
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
-    gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks with frozen inputs (seed 1, trap 1)
+    gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks when the inputs do not require grad
     # No prepare_model_for_kbit_training: it upcasts every non-quantized weight to fp32, which
     # for Llama-3-8B's untied 128k-vocab embedding and head alone is 8.4 GB instead of 2.1 GB,
     # and mixed precision does not need it. get_peft_model freezes the base weights.
@@ -158,7 +158,8 @@ def _bnb_config(cfg: TrainConfig, precision: Precision):
     )
 
 
-def _from_pretrained(cls, src: ModelSource, cfg: TrainConfig, **kwargs):
+def load_pretrained(cls, src: ModelSource, cfg: TrainConfig, **kwargs):
+    """`cls.from_pretrained` for a resolved source, with actionable errors and no remote code unless asked."""
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file
     try:
@@ -173,3 +174,6 @@ def _from_pretrained(cls, src: ModelSource, cfg: TrainConfig, **kwargs):
         raise
     except OSError as e:
         raise UserError(f"`model`: cannot load {src.label}: {str(e).splitlines()[0]}") from None
+
+
+_from_pretrained = load_pretrained  # the old private name, until every caller uses load_pretrained

@@ -273,7 +273,7 @@ def test_checkpoint_layout_of_a_real_run(reference):
         assert manifest["step"] == int(step[5:])
         assert verify(folder) is None
         state = json.loads((folder / "trainer_state.json").read_text())
-        assert state["counters"]["step"] == int(step[5:])
+        assert state["progress"]["step"] == int(step[5:])
         assert not [n for n in names if n.endswith((".pt", ".pth", ".bin", ".pkl"))], "no pickle files"
     assert sorted(p.name for p in (reference / "final").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", MANIFEST]

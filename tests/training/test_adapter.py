@@ -18,6 +18,7 @@ from conftest import chat_rows, make_config, run_until_done, step_records, write
 from safetensors.torch import load_file
 
 from relaytune.training import recipe as loop
+from relaytune.training import trainer as trainer_module
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +87,13 @@ def test_qlora_on_cpu_trains_and_lowers_the_loss(tmp_path, tiny_model, monkeypat
                       lora_dropout=0.0, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                       save_steps=10)
     built = []
-    real_load = loop.load_model
+    real_load = trainer_module.load_model
 
     def spy(*args, **kwargs):
         built.append(real_load(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(loop, "load_model", spy)
+    monkeypatch.setattr(trainer_module, "load_model", spy)
     loop.train(str(cfg))
     quantized = [m for m in built[0].modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 14, "every projection of both blocks is a 4-bit layer"

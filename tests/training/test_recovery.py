@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import relaytune
-import relaytune.training.recipe as recipe
+import relaytune.training.trainer as trainer_module
 from conftest import make_config
 from relaytune.errors import StoppedEarly
 from relaytune.observe.metrics import read_metrics
@@ -39,7 +39,7 @@ def test_oom_halves_micro_batch_and_matches_a_run_configured_that_way(tmp_path, 
     assert _events(tmp_path / "a" / "run", "oom") == [
         {"step": 3, "event": "oom", "micro_batch_size": 4, "was": 8}]
     state = json.loads((tmp_path / "a/run/checkpoints/step-4/trainer_state.json").read_text())
-    assert state["counters"]["micro_batch_size"] == 4 and state["counters"]["accumulation"] == 2
+    assert state["recovery"]["micro_batch_size"] == 4 and state["recovery"]["accumulation"] == 2
     wa = load_file(tmp_path / "a/run/final/adapter_model.safetensors")
     wb = load_file(tmp_path / "b/run/final/adapter_model.safetensors")
     # Same rows, same maths; only the float summation order differs (micro-batches of 8
@@ -98,14 +98,14 @@ def test_repeated_nans_can_stop_with_a_diagnosis(tmp_path, tiny_model, chat_data
 
 def test_train_releases_the_model_on_every_exit_path(tmp_path, tiny_model, chat_data, monkeypatch, one_thread):
     built = []
-    real = recipe.load_model
+    real = trainer_module.load_model
 
     def tracking_load_model(*args, **kwargs):
         model = real(*args, **kwargs)
         built.append(weakref.ref(model))
         return model
 
-    monkeypatch.setattr(recipe, "load_model", tracking_load_model)
+    monkeypatch.setattr(trainer_module, "load_model", tracking_load_model)
     cfg = make_config(tmp_path / "ok", tiny_model, chat_data)
     relaytune.train(str(cfg))
     stop = make_config(tmp_path / "stop", tiny_model, chat_data, max_steps=10_000, time_limit="2")

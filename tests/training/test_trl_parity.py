@@ -1,4 +1,4 @@
-"""Our training loop computes what TRL's SFTTrainer computes (issue 2, item 7).
+"""Our training loop computes what TRL's SFTTrainer computes , step for step.
 
 On the tiny model, fp32 on CPU, with identical settings, our per-step training loss matches
 TRL 1.16's within 1e-4 relative over 20 steps (in practice ~1e-7: our metrics.jsonl rounds to
@@ -41,6 +41,7 @@ from relaytune.model import choose_precision, load_model, load_tokenizer
 from relaytune.data.batches import DataOrder
 
 from relaytune.training import recipe as loop
+from relaytune.training import trainer as trainer_module
 
 trl = pytest.importorskip("trl")
 
@@ -68,16 +69,16 @@ def test_per_step_loss_matches_trl_sft_trainer(tmp_path, tiny_model, monkeypatch
 
     # --- ours, with the adapter it starts from
     initial: dict[str, torch.Tensor] = {}
-    real_load = loop.load_model
+    real_load = trainer_module.load_model
 
     def spy(*args, **kwargs):
         model = real_load(*args, **kwargs)
         initial.update({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
         return model
 
-    monkeypatch.setattr(loop, "load_model", spy)
+    monkeypatch.setattr(trainer_module, "load_model", spy)
     loop.train(str(cfg_path))
-    monkeypatch.setattr(loop, "load_model", real_load)
+    monkeypatch.setattr(trainer_module, "load_model", real_load)
     ours = step_records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in ours] == list(range(1, STEPS + 1))
 

@@ -1,6 +1,6 @@
 """The best checkpoint: `best/` and `load_best_model_at_end`.
 
-Training tracks the lowest eval loss (Counters.best_eval_loss / best_step) and
+Training tracks the lowest eval loss (TrainState.best_eval_loss / best_step) and
 retention never deletes that step's checkpoint. At the end, `keep_best` commits
 `best/`: a copy of that adapter in PEFT format, by the same commit protocol as
 every checkpoint. A copy rather than a pointer file because a pointer can dangle
@@ -21,25 +21,26 @@ from pathlib import Path
 
 from relaytune.atomic import TMP_PREFIX, commit_folder, read_manifest, verify
 from relaytune.log import info, warn
-from relaytune.checkpoint.state import ADAPTER, ADAPTER_CONFIG, Counters, adapter_files
+from relaytune.checkpoint.state import TrainState, adapter_files
+from relaytune.run_dir import ADAPTER, ADAPTER_CONFIG, RunDir
 
 
-def keep_best(cfg, model, c: Counters, out: Path) -> Path | None:
+def keep_best(cfg, model, c: TrainState, run: RunDir) -> Path | None:
     """Call once at finish, after the last eval and before final/ is committed."""
     if c.best_step is None:
         return None  # no eval data, so no best
     if c.best_step == c.step:
         files = adapter_files(model)  # the last step is the best: its adapter is the live one
     else:
-        src = Path(out) / "checkpoints" / f"step-{c.best_step}"
+        src = run.step(c.best_step)
         reason = verify(src)
         if reason is not None:
             warn(f"the best checkpoint (step {c.best_step}, eval loss {c.best_eval_loss:.4f}) is not "
                  f"available ({reason}); best/ not written and final/ keeps the last adapter")
             return None
         files = {name: (src / name).read_bytes() for name in (ADAPTER, ADAPTER_CONFIG)}
-    target = Path(out) / "best"
-    for leftover in Path(out).glob(f"{TMP_PREFIX}best-*"):  # our own unfinished copy from a killed session
+    target = run.best
+    for leftover in run.root.glob(f"{TMP_PREFIX}best-*"):  # our own unfinished copy from a killed session
         shutil.rmtree(leftover, ignore_errors=True)
     try:
         if not _same(target, files, c.best_step):  # a re-run after a kill past this point: keep it

@@ -48,15 +48,15 @@ class Mirror:
         self.root = root.rstrip("/")
         self.keep = keep
         self.state_file = Path(state_file)
-        self.protect: set[int] = set()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._state = {"url": self.label, "last_mirrored_step": None, "last_error": None, "time": None}
 
     # --- pushing -----------------------------------------------------------------------
-    def submit(self, local: Path) -> None:
-        """Queue a committed local folder (checkpoints/step-N or final) for copying."""
-        self._queue.put(Path(local))
+    def submit(self, local: Path, keep: frozenset[int] = frozenset()) -> None:
+        """Queue a committed local folder (checkpoints/step-N or final) for copying; `keep`: steps
+        that remote retention must not delete (the best checkpoint)."""
+        self._queue.put((Path(local), frozenset(keep)))
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._worker, daemon=True)
             self._thread.start()
@@ -71,21 +71,21 @@ class Mirror:
     def _worker(self) -> None:
         while True:
             try:
-                local = self._queue.get(timeout=0.5)
+                local, keep = self._queue.get(timeout=0.5)
             except queue.Empty:
                 return
             while not self._queue.empty():  # only the newest matters; older ones may be pruned
-                local = self._queue.get()
+                local, keep = self._queue.get()
             for attempt in range(3):
                 try:
-                    self.push(local)
+                    self.push(local, keep)
                     break
                 except Exception as e:  # any backend error: report, retry, never stop training
                     self._record(error=f"{type(e).__name__}: {e}")
                     warn(f"mirror to {self.label} failed ({type(e).__name__}); will retry")
                     time.sleep(min(self.RETRY_SECONDS, 0.5 * 4 ** attempt))
 
-    def push(self, local: Path) -> None:
+    def push(self, local: Path, keep: frozenset[int] = frozenset()) -> None:
         if verify(local) is not None:
             return  # pruned or replaced meanwhile: nothing to copy
         remote = f"{self.root}/{self._remote_name(local)}"
@@ -96,7 +96,7 @@ class Mirror:
         self.fs.put_file(str(local / MANIFEST), f"{remote}/{MANIFEST}")  # the commit
         step = self._step_of(local)
         if step is not None:
-            self._prune()
+            self._prune(keep)
         self._record(step=step if step is not None else "final")
 
     def _remote_name(self, local: Path) -> str:
@@ -107,12 +107,12 @@ class Mirror:
         m = STEP_DIR.match(local.name)
         return int(m.group(1)) if m else None
 
-    def _prune(self) -> None:
+    def _prune(self, keep: frozenset[int]) -> None:
         if self.keep is None:
             return
         committed = self.remote_steps()
         for step in committed[:-self.keep] if len(committed) > self.keep else []:
-            if step not in self.protect:
+            if step not in keep:
                 self.fs.rm(f"{self.root}/checkpoints/step-{step}/{MANIFEST}")  # uncommit first
                 self.fs.rm(f"{self.root}/checkpoints/step-{step}", recursive=True)
 

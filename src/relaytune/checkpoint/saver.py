@@ -1,22 +1,28 @@
-"""When and how the recipe saves: triggers, background commits, retention, failures.
+"""When and how checkpoints are written: triggers, background commits, retention, failures.
 
-The recipe calls `saver.due(step)` and `saver.save(...)`; everything about
-timing, at-most-one-in-flight, disk errors and retention is here.
+The snapshot is taken in the caller's thread at a step boundary (short); the commit runs in
+one background thread, at most one in flight. Everything the writer needs (the files, the
+step, the step retention must keep) is handed to it as values when the save is submitted,
+so the main thread never shares a field with it.
 """
 
 from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from relaytune import __version__
 from relaytune.atomic import commit_folder
 from relaytune.checkpoint.jobs import BackgroundJob
 from relaytune.checkpoint.store import CheckpointStore
-from relaytune.config.schema import TrainConfig
+from relaytune.config import TrainConfig
+from relaytune.errors import StoppedEarly
 from relaytune.log import info, warn
-from relaytune.checkpoint.state import adapter_files
+
+DISK_ERRORS = {errno.ENOSPC: "the disk is full", errno.EIO: "the disk reported an I/O error",
+               errno.EDQUOT: "the disk quota is exhausted"}
 
 
 def library_versions() -> dict:
@@ -30,97 +36,97 @@ def library_versions() -> dict:
 
 class Saver:
     def __init__(self, cfg: TrainConfig, store: CheckpointStore, config_hash: str, mirror=None):
-        self.cfg = cfg
-        self.store = store
-        self.mirror = mirror
-        self.consecutive_failures = 0
-        self.meta = {"config_hash": config_hash, "versions": library_versions()}
-        self.writer = BackgroundJob()
-        self.last_save_time = time.monotonic()
-        self.last_saved_step: int | None = None
-        self.last_blocked = 0.0
-        self.save_seconds = 1.0  # measured duration of one whole save, for the deadline
-        self.protect: set[int] = set()  # the best checkpoint's step: retention keeps it
-        self.force_step: int | None = None  # a new best eval: save this step whatever the interval
+        self._cfg = cfg
+        self._store = store
+        self._mirror = mirror
+        self._meta = {"config_hash": config_hash, "versions": library_versions()}
+        self._writer = BackgroundJob()
+        self._last_save_time = time.monotonic()
+        self._last_saved_step: int | None = None
+        self._force_step: int | None = None  # a new best eval: save this step whatever the interval
+        self.failures = 0  # failed saves in a row
+        self.blocked_seconds = 0.0  # how long the last save held training up
+        self.save_seconds = 1.0  # a whole save, from the request to the commit: what a stop costs
+
+    def force(self, step: int) -> None:
+        self._force_step = step
 
     def due(self, step: int, total: int) -> bool:
-        if step == self.last_saved_step or step >= total:
+        if step == self._last_saved_step or step >= total:
             return False  # the final save covers the last step
-        if step % self.cfg.save_steps == 0 or step == self.force_step:
+        if step % self._cfg.save_steps == 0 or step == self._force_step:
             return True
-        interval = self.cfg.save_every_seconds
-        return interval > 0 and time.monotonic() - self.last_save_time >= interval
+        interval = self._cfg.save_every_seconds
+        return interval > 0 and time.monotonic() - self._last_save_time >= interval
 
-    def save(self, files_fn, step: int, wait: bool = False) -> Path | None:
+    def save(self, files_fn: Callable[[], dict], step: int, *, keep: frozenset[int] = frozenset(),
+             since: float | None = None, wait: bool = False) -> Path | None:
         """Snapshot now (blocking, short), commit in the background unless `wait`.
 
-        Returns the committed path when waiting; None otherwise or if the save failed.
+        `keep` holds the steps retention must not delete (the best checkpoint). `since` is when
+        the save was requested (a signal), for the measured cost of a stop. Returns the committed
+        path when waiting; None otherwise or if the save failed.
         """
-        t0 = time.monotonic()
-        self._collect_previous()  # at most one save in flight: waiting for it blocks training too
+        t0 = time.monotonic() if since is None else since
+        self._writer.wait()  # at most one save in flight: waiting for it blocks training too
         files = files_fn()
-        self.last_blocked = time.monotonic() - t0
-        self.last_save_time = time.monotonic()
-        self.last_saved_step = step
+        self.blocked_seconds = time.monotonic() - t0
+        self._last_save_time = time.monotonic()
+        self._last_saved_step = step
 
-        def job():
+        def job() -> Path | None:
             try:
-                return commit()
+                return self._commit(files, step, keep, t0)
             except OSError as e:  # reported at once, from whichever thread ran the save
                 self._report(e, step)
                 return None
 
-        def commit():
-            path = self.store.save(files, step, self.meta)
-            self.consecutive_failures = 0
-            if self.mirror:
-                self.mirror.protect = set(self.protect)
-                self.mirror.submit(path)
-            try:
-                self.store.prune(self.cfg.save_total_limit, self.protect, upto=step)
-            except OSError as e:  # the new checkpoint is committed; an old one merely stays
-                warn(f"retention could not remove an old checkpoint ({e.strerror or e}); will retry")
-            self.save_seconds = time.monotonic() - t0  # from the request to the commit: what a stop costs
-            return path
-
         if not wait:
-            self.writer.submit(job)
+            self._writer.submit(job)
             return None
         return job()
 
-    def flush(self) -> None:
-        """Wait for the save in flight; a failure is reported, never raised."""
-        self._collect_previous()
+    def _commit(self, files: dict, step: int, keep: frozenset[int], t0: float) -> Path:
+        path = self._store.save(files, step, self._meta)
+        self.failures = 0
+        if self._mirror:
+            self._mirror.submit(path, keep)
+        self._prune(step, keep)
+        self.save_seconds = time.monotonic() - t0
+        return path
 
-    def _collect_previous(self) -> None:
-        self.writer.wait()
+    def _prune(self, step: int, keep: frozenset[int]) -> None:
+        try:
+            self._store.prune(self._cfg.save_total_limit, keep, upto=step)
+        except OSError as e:  # the new checkpoint is committed; an old one merely stays
+            warn(f"retention could not remove an old checkpoint ({e.strerror or e}); will retry")
 
     def _report(self, e: OSError, step: int | None) -> None:
-        self.consecutive_failures += 1
-        self.last_saved_step = None  # the next trigger tries again
-        what = {errno.ENOSPC: "the disk is full", errno.EIO: "the disk reported an I/O error",
-                errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno, str(e))
+        self.failures += 1
+        self._last_saved_step = None  # the next trigger tries again
+        what = DISK_ERRORS.get(e.errno, str(e))
         warn(f"checkpoint at step {step} failed ({what}); the previous checkpoint is intact, "
              "training continues and the next save tries again")
 
-    def commit_final(self, model, out_dir: Path, step: int) -> Path:
-        self._collect_previous()
-        files = adapter_files(model)
-        try:
-            path = commit_folder(files, out_dir / "final", {"kind": "final", **self.meta})
-        except OSError as e:
-            from relaytune.errors import StoppedEarly
+    def flush(self) -> None:
+        """Wait for the save in flight; a failure is reported, never raised."""
+        self._writer.wait()
 
-            _, latest, _ = self.store.latest_valid()
+    def wait_quietly(self) -> None:
+        self._writer.wait_quietly()
+
+    def commit_final(self, files: dict[str, bytes], target: Path, step: int, keep: frozenset[int]) -> Path:
+        self._writer.wait()
+        try:
+            path = commit_folder(files, target, {"kind": "final", **self._meta})
+        except OSError as e:
+            _, latest, _ = self._store.latest_valid()
             raise StoppedEarly(
                 f"the final adapter could not be written ({e.strerror or e}); "
                 f"{'the run is intact at ' + latest.name if latest else 'no checkpoint is committed'}. "
                 "Free space, then run again", step, str(latest) if latest else None, how="disk") from None
         info(f"final adapter written to {path}")
-        try:  # a kill during an earlier retention may have left one checkpoint too many
-            self.store.prune(self.cfg.save_total_limit, self.protect, upto=step)
-        except OSError as e:
-            warn(f"retention could not remove an old checkpoint ({e.strerror or e})")
-        if self.mirror:
-            self.mirror.submit(path)
+        self._prune(step, keep)  # a kill during an earlier retention may have left one checkpoint too many
+        if self._mirror:
+            self._mirror.submit(path, keep)
         return path

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -18,32 +18,29 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
-ADAPTER = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-OPTIMIZER = "optimizer.safetensors"
-RNG = "rng.safetensors"
-TRAINER_STATE = "trainer_state.json"
-METRICS = "metrics.jsonl"
+from relaytune.run_dir import ADAPTER, ADAPTER_CONFIG, METRICS, OPTIMIZER, RNG, TRAINER_STATE
 
 
 @dataclass
-class Counters:
-    """Everything about progress that is not a tensor."""
+class TrainState:
+    """Saved progress, and nothing else: the epoch and the data cursor derive from `step`."""
 
     step: int = 0  # optimizer steps completed
-    epoch: int = 0
-    batch_in_epoch: int = 0  # the data cursor: next global batch of `epoch`
     tokens_seen: int = 0
-    micro_batch_size: int = 1
-    accumulation: int = 1
-    lr_scale: float = 1.0
     skipped_steps: int = 0
-    consecutive_bad_steps: int = 0
     last_eval_loss: float | None = None
     best_eval_loss: float | None = None
     best_step: int | None = None
-    window_loss: float = 0.0  # loss summed over the current logging window
-    window_steps: int = 0
+
+
+@dataclass
+class Live:
+    """The live objects whose state a checkpoint holds besides TrainState."""
+
+    model: object
+    optimizer: object
+    scheduler: object
+    scaler: object | None
 
 
 def adapter_files(model) -> dict[str, bytes]:
@@ -70,29 +67,31 @@ def deferred_safetensors(tensors: dict[str, torch.Tensor], metadata: dict) -> Ca
     return lambda: save({k: v.to("cpu").contiguous() for k, v in copies.items()}, metadata=metadata)
 
 
-def snapshot(model, optimizer, scheduler, scaler, counters: Counters, extra: dict,
-             metrics_text: str, include_optimizer: bool = True) -> dict[str, bytes | Callable[[], bytes]]:
-    """Every file of a checkpoint at this step boundary; tensor files are serialised lazily."""
+def snapshot(live: Live, state: dict, metrics_text: str, include_optimizer: bool = True
+             ) -> dict[str, bytes | Callable[[], bytes]]:
+    """Every file of a checkpoint at this step boundary; tensor files are serialised lazily.
+
+    `state` is the JSON-able part the trainer owns (progress, recovery state, run facts).
+    """
     from peft.utils import get_peft_model_state_dict
 
     files: dict[str, bytes | Callable[[], bytes]] = {
-        ADAPTER: deferred_safetensors(get_peft_model_state_dict(model), {"format": "pt"}),
-        ADAPTER_CONFIG: adapter_config_bytes(model),
+        ADAPTER: deferred_safetensors(get_peft_model_state_dict(live.model), {"format": "pt"}),
+        ADAPTER_CONFIG: adapter_config_bytes(live.model),
     }
     if include_optimizer:
-        tensors, meta = _flatten_optimizer(optimizer.state_dict())
+        tensors, meta = _flatten_optimizer(live.optimizer.state_dict())
         files[OPTIMIZER] = deferred_safetensors(tensors, {"relaytune": json.dumps(meta)})
     files[RNG] = save(_torch_rng())
-    state = {
-        "counters": asdict(counters),
-        "scheduler": _scheduler_state(scheduler),
-        "scaler": scaler.state_dict() if scaler is not None else None,
+    full = {
+        **state,
+        "scheduler": _scheduler_state(live.scheduler),
+        "scaler": live.scaler.state_dict() if live.scaler is not None else None,
         "python_rng": _python_rng(),
         "numpy_rng": _numpy_rng(),
         "has_optimizer": include_optimizer,
-        **extra,
     }
-    files[TRAINER_STATE] = json.dumps(state, indent=1, sort_keys=True).encode()
+    files[TRAINER_STATE] = json.dumps(full, indent=1, sort_keys=True).encode()
     files[METRICS] = metrics_text.encode()
     return files
 
@@ -108,23 +107,34 @@ def _read(source: Path | dict, name: str) -> bytes:
     return source[name]() if callable(source[name]) else source[name]
 
 
-def restore(source: Path | dict, model, optimizer, scheduler, scaler) -> Counters:
-    """Put a verified checkpoint (folder or snapshot) into the live objects; returns the counters."""
+def restore(source: Path | dict, live: Live) -> dict:
+    """Put a verified checkpoint (folder or snapshot) into the live objects; returns its saved state."""
     from peft.utils import set_peft_model_state_dict
 
     state = read_trainer_state(source)
-    result = set_peft_model_state_dict(model, load(_read(source, ADAPTER)))
+    result = set_peft_model_state_dict(live.model, load(_read(source, ADAPTER)))
     if getattr(result, "unexpected_keys", None):
         raise RuntimeError(f"{source}: adapter has unexpected keys {result.unexpected_keys[:3]}")
     if state["has_optimizer"]:
         raw = _read(source, OPTIMIZER)
-        optimizer.load_state_dict(_unflatten_optimizer(load(raw), _safetensors_meta(raw)))
+        live.optimizer.load_state_dict(_unflatten_optimizer(load(raw), _safetensors_meta(raw)))
     if state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
+        live.scheduler.load_state_dict(state["scheduler"])
+    if live.scaler is not None and state.get("scaler"):
+        live.scaler.load_state_dict(state["scaler"])
     _set_rng(load(_read(source, RNG)), state["python_rng"], state["numpy_rng"])
-    return Counters(**state["counters"])
+    return state
+
+
+def progress_of(state: dict) -> TrainState:
+    """The TrainState inside a saved state; checkpoints of 0.1 kept it in one `counters` dict."""
+    saved = state.get("progress") or state["counters"]
+    return TrainState(**{k: saved[k] for k in TrainState.__dataclass_fields__ if k in saved})
+
+
+def recovery_of(state: dict) -> dict:
+    """The trainer's saved recovery state and logging window (see Trainer)."""
+    return state.get("recovery") or state["counters"]
 
 
 def capture_rng() -> dict:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from relaytune.config.schema import TrainConfig, parse_duration, parse_timestamp
 from relaytune.log import warn
+from relaytune.training.stops import Deadline
 
 KAGGLE_SESSION_SECONDS = 12 * 3600  # Kaggle's documented limit for CPU and GPU sessions
 KAGGLE_PERSISTENT = Path("/kaggle/working")
@@ -32,22 +32,8 @@ def platform(env=None) -> str:
     return "local"
 
 
-@dataclass(frozen=True)
-class Budget:
-    """The wall-clock time by which the run must have saved and exited, and why."""
-
-    end: float | None  # Unix time
-    source: str
-
-    def describe(self) -> str:
-        if self.end is None:
-            return "no time limit"
-        left = self.end - time.time()
-        return f"{left / 3600:.2f} h left ({self.source}; ends {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.end))})"
-
-
 def time_budget(cfg: TrainConfig, env=None, now: float | None = None,
-                session_start: float | None = None) -> Budget:
+                session_start: float | None = None) -> Deadline:
     """The earliest of: time_limit from now, the deadline key, the platform's own limit."""
     env = os.environ if env is None else env
     now = time.time() if now is None else now
@@ -65,9 +51,9 @@ def time_budget(cfg: TrainConfig, env=None, now: float | None = None,
         start = session_start if session_start is not None else _machine_start_time()
         candidates.append((start + KAGGLE_SESSION_SECONDS, "Kaggle's 12 h session limit"))
     if not candidates:
-        return Budget(None, "none")
+        return Deadline(None, "none")
     end, source = min(candidates)
-    return Budget(end, source)
+    return Deadline(end, source)
 
 
 def slurm_end_time(env) -> float | None:

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from relaytune.training.loss_settings import CHUNK_TOKENS, PLAIN_HEAD
+
 IGNORE = -100
-CHUNK_TOKENS = 2048
-PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma", "starcoder2"}
 
 
 def supports_chunked_loss(model) -> bool:

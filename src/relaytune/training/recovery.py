@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import gc
 import math
+from dataclasses import dataclass
 
 import torch
 
 from relaytune.config.schema import TrainConfig
 from relaytune.log import warn
-from relaytune.checkpoint.state import Counters
 
 GIB = 1024 ** 3
+
+
+@dataclass
+class Recovery:
+    """What the run learned about itself: the micro-batch an OOM forced, the learning-rate
+    scale after NaN rollbacks, the count of non-finite steps in a row. The trainer owns it;
+    it is saved with every checkpoint so that a resume keeps it."""
+
+    micro_batch_size: int
+    accumulation: int
+    lr_scale: float = 1.0
+    consecutive_bad_steps: int = 0
 
 
 class NoSmallerBatch(Exception):
@@ -32,16 +44,16 @@ def free_memory(optimizer) -> None:
         torch.cuda.empty_cache()
 
 
-def shrink_after_oom(c: Counters, global_batch: int, error: BaseException) -> tuple[int, int]:
+def shrink_after_oom(r: Recovery, global_batch: int, step: int, error: BaseException) -> tuple[int, int]:
     """Halve the micro-batch (the accumulation grows; the global batch is unchanged)."""
-    if c.micro_batch_size <= 1:
+    if r.micro_batch_size <= 1:
         raise NoSmallerBatch(str(error))
-    old = c.micro_batch_size
-    c.micro_batch_size = max(1, old // 2)
-    c.accumulation = math.ceil(global_batch / c.micro_batch_size)
-    warn(f"out of memory at micro-batch {old}; redoing step {c.step + 1} with micro-batch "
-         f"{c.micro_batch_size} x {c.accumulation} (same global batch, same maths)")
-    return old, c.micro_batch_size
+    old = r.micro_batch_size
+    r.micro_batch_size = max(1, old // 2)
+    r.accumulation = math.ceil(global_batch / r.micro_batch_size)
+    warn(f"out of memory at micro-batch {old}; redoing step {step + 1} with micro-batch "
+         f"{r.micro_batch_size} x {r.accumulation} (same global batch, same maths)")
+    return old, r.micro_batch_size
 
 
 def memory_breakdown() -> str:

@@ -1,4 +1,4 @@
-"""Guards that hook into the recipe at one clear point each.
+"""Stopping on purpose: a signal, or the time limit. Each hooks into the loop at one point.
 
 - `StopRequest`: SIGTERM/SIGINT/SIGUSR1/SIGHUP only set a flag; the loop checks
   it after each optimizer step, saves and exits 75.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 from relaytune.log import warn
 
@@ -46,14 +47,22 @@ class StopRequest:
         return self.signal_name is not None
 
 
+@dataclass(frozen=True)
 class Deadline:
-    """Stops early enough that the final save lands before the limit."""
+    """The wall-clock time by which the run must have saved and exited, and why; stops early
+    enough that the final save lands before it."""
+
+    end: float | None  # Unix time, or None for no limit
+    source: str
 
     SAFETY = 1.25  # measured times vary; keep a quarter in reserve
 
-    def __init__(self, end: float | None, source: str):
-        self.end = end  # Unix time, or None for no limit
-        self.source = source
+    def describe(self) -> str:
+        if self.end is None:
+            return "no time limit"
+        left = self.end - time.time()
+        return (f"{left / 3600:.2f} h left ({self.source}; ends "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.end))})")
 
     def remaining(self) -> float | None:
         return None if self.end is None else self.end - time.time()

@@ -1,0 +1,107 @@
+"""The Checkpointer: the one object the trainer talks to about checkpoints.
+
+    resume_point(fresh)   which checkpoint to continue from (None: start fresh)
+    restore(source, live) put a checkpoint back into the live objects
+    due(step)             whether this step boundary should be saved
+    save(...)             snapshot now, commit in the background (or wait)
+    mark_best(step)       a new best eval: save it and keep it through retention
+    finish(...)           best/, then final/
+    close()               let the writer and the mirror finish
+
+Everything behind it (store, saver thread, retention, mirror, best/) is private.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from relaytune import atomic
+from relaytune.checkpoint import state as saved
+from relaytune.checkpoint.best import keep_best
+from relaytune.checkpoint.mirror import Mirror
+from relaytune.checkpoint.resume import choose_checkpoint
+from relaytune.checkpoint.saver import Saver
+from relaytune.checkpoint.state import Live, TrainState
+from relaytune.checkpoint.store import CheckpointStore
+from relaytune.config import TrainConfig
+from relaytune.errors import StoppedEarly
+from relaytune.run_dir import RunDir
+
+MAX_FAILED_SAVES = 3  # failed saves in a row before the run stops (exit 75) rather than train unsaved
+
+
+class Checkpointer:
+    def __init__(self, cfg: TrainConfig, run: RunDir):
+        self._cfg = cfg
+        self._run = run
+        self._store = CheckpointStore(run.checkpoints)
+        self._mirror = Mirror(cfg.mirror_to, cfg.save_total_limit, run.mirror_state) if cfg.mirror_to else None
+        config_dump = cfg.model_dump(mode="json")
+        config_hash = hashlib.sha256(json.dumps(config_dump, sort_keys=True).encode()).hexdigest()[:16]
+        self._saver = Saver(cfg, self._store, config_hash, self._mirror)
+        self._keep: frozenset[int] = frozenset()  # the best step: retention never deletes it
+
+    # --- where to start ------------------------------------------------------------------
+    def resume_point(self, fresh: bool) -> Path | None:
+        """Clean up our own unfinished saves, pull newer checkpoints from the mirror, choose."""
+        self._store.startup_cleanup()
+        atomic.clean_tmp(self._run.root)  # a kill inside the final commit leaves our tmp folder beside final/
+        if self._mirror and not fresh:
+            local_newest, _, _ = self._store.latest_valid()
+            self._mirror.restore_newer(self._store.root, local_newest)
+        return choose_checkpoint(self._cfg, self._store, fresh)
+
+    def rollback_point(self) -> Path | None:
+        """The newest committed checkpoint, for a rollback after repeated non-finite steps."""
+        return self._store.latest_valid()[1]
+
+    def restore(self, source: Path | dict, live: Live) -> dict:
+        state = saved.restore(source, live)
+        best = saved.progress_of(state).best_step
+        self._keep = frozenset() if best is None else frozenset({best})
+        return state
+
+    # --- saving --------------------------------------------------------------------------
+    @property
+    def save_seconds(self) -> float:
+        """What one whole save took last time: the deadline keeps this much in reserve."""
+        return self._saver.save_seconds
+
+    @property
+    def blocked_seconds(self) -> float:
+        return self._saver.blocked_seconds
+
+    def due(self, step: int, total: int) -> bool:
+        return self._saver.due(step, total)
+
+    def save(self, files_fn, step: int, since: float | None = None, wait: bool = False) -> Path | None:
+        return self._saver.save(files_fn, step, keep=self._keep, since=since, wait=wait)
+
+    def mark_best(self, step: int) -> None:
+        self._keep = frozenset({step})
+        self._saver.force(step)
+
+    def raise_if_failing(self, step: int) -> None:
+        failures = self._saver.failures
+        if failures >= MAX_FAILED_SAVES:
+            raise StoppedEarly(f"no checkpoint could be written {failures} times in a row "
+                               f"(disk full or failing); free space, then run again to continue from the "
+                               f"last committed checkpoint", step, None, how="disk")
+
+    # --- the end -------------------------------------------------------------------------
+    def finish(self, live: Live, progress: TrainState) -> Path:
+        """best/ (and, with load_best_model_at_end, the best weights into the model), then final/."""
+        self._saver.flush()
+        keep_best(self._cfg, live.model, progress, self._run)
+        return self._saver.commit_final(saved.adapter_files(live.model), self._run.final, progress.step, self._keep)
+
+    def drain_mirror(self, timeout: float = 300.0) -> None:
+        if self._mirror:
+            self._mirror.drain(timeout=timeout)
+
+    def close(self) -> None:
+        """On any way out: let a background write finish; its error matters less than the one in flight."""
+        self._saver.wait_quietly()
+

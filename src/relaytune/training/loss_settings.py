@@ -1,0 +1,7 @@
+"""The loss's shape settings, torch-free, so that the planner predicts what the loss really allocates."""
+
+CHUNK_TOKENS = 2048  # labelled tokens whose logits exist at once (one chunk, recomputed in backward)
+
+# Model types whose output head is a plain linear layer, so the chunked loss computes exactly what
+# the model's own forward would; others (logit soft-capping, scaling) use the model's forward.
+PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma", "starcoder2"})

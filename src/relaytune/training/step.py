@@ -1,0 +1,77 @@
+"""One optimizer step: forward and backward over the micro-batches of one global batch, then one update.
+
+The loss of each micro-batch is its summed token loss divided by the target tokens of the
+*whole* global batch, so the accumulated gradient is the same whatever the micro-batch size:
+that is what lets an OOM halve the micro-batch without changing the maths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from relaytune import faults
+from relaytune.data.batches import count_targets, micro_batches
+from relaytune.model import Precision
+from relaytune.training.loss import causal_lm_loss, supports_chunked_loss
+
+
+@dataclass
+class StepParts:
+    """What every step needs and never changes during a run."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    precision: Precision
+    pad_id: int
+    max_grad_norm: float
+
+    def __post_init__(self):
+        self.chunked = supports_chunked_loss(self.model)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    updated: bool  # False when a non-finite loss or gradient kept the weights unchanged
+
+
+def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: int) -> StepResult:
+    """Forward and backward over every micro-batch of one global batch, then one update."""
+    n_targets = count_targets(rows)
+    autocast = (torch.autocast(parts.precision.device.type, dtype=parts.precision.autocast)
+                if parts.precision.autocast else contextlib.nullcontext())
+    total_loss = torch.zeros((), device=parts.precision.device)
+    for i, batch in enumerate(micro_batches(rows, micro_batch_size, parts.pad_id)):
+        batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
+        if faults.oom_now(step, i):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
+        with autocast:
+            loss = causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked)
+        if i == 0 and faults.nan_now(step):
+            loss = loss * float("nan")
+        (parts.scaler.scale(loss) if parts.scaler else loss).backward()
+        total_loss += loss.detach().float()
+    return _update(parts, total_loss)
+
+
+def _update(parts: StepParts, total_loss: torch.Tensor) -> StepResult:
+    if parts.scaler:
+        parts.scaler.unscale_(parts.optimizer)
+    limit = parts.max_grad_norm if parts.max_grad_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(parts.params, limit)
+    loss_value, norm_value = total_loss.item(), norm.item()
+    updated = math.isfinite(loss_value) and math.isfinite(norm_value)
+    if parts.scaler:
+        parts.scaler.step(parts.optimizer)  # skips by itself on inf/nan gradients
+        parts.scaler.update()
+    elif updated:
+        parts.optimizer.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_value, norm_value, updated)
