@@ -1,0 +1,116 @@
+"""Fit verdicts against a GPU, the largest micro-batch at a fixed global batch, and what to change when nothing fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from relaytune.plan.architectures import Architecture
+from relaytune.plan.gpus import Gpu
+from relaytune.plan.memory import GIB, MemoryEstimate, Settings, estimate_memory
+
+# "fits" keeps 5% of the card free beyond the prediction: the planner is calibrated to a few percent
+# (bench/results/planner.md) and other processes or the notebook hold a little memory too.
+MARGIN = 0.05
+# Turning checkpointing off needs more room: activations grow with every row, and an OOM mid-run costs
+# a step redone at a smaller micro-batch.
+GC_OFF_MARGIN = 0.10
+FITS, TIGHT, NO_FIT = "fits", "tight", "does not fit"
+MIN_SEQ = 128
+
+
+def fit_status(estimate: MemoryEstimate, gpu: Gpu, margin: float = MARGIN) -> str:
+    """fits: on-card total within the card less the margin; does not fit: over the card even without the
+    allocator's slack; tight: in between (it may run; relaytune steps the micro-batch down if not)."""
+    if estimate.total_reserved <= gpu.memory_gib * (1 - margin) * GIB:
+        return FITS
+    if estimate.total_reserved - estimate.slack > gpu.memory_gib * GIB:
+        return NO_FIT
+    return TIGHT
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def largest_micro_batch(arch: Architecture, settings: Settings, gpu: Gpu, global_batch: int,
+                        gradient_checkpointing: bool, margin: float = MARGIN,
+                        divisors_only: bool = True) -> int | None:
+    """The largest micro-batch that fits with the margin, at most the global batch, or None if even 1 does not.
+
+    With divisors_only, it divides the global batch, so every micro-batch of a step is full and
+    gradient_accumulation_steps = global_batch / micro-batch exactly. (relaytune's maths is the same
+    either way: the loss is normalised over the whole global batch.)
+    """
+    candidates = divisors(global_batch) if divisors_only else list(range(1, global_batch + 1))
+    best = None
+    # Memory grows with the micro-batch, so the first one that does not fit ends the search.
+    for mb in candidates:
+        if fit_status(estimate_memory(arch, settings, mb, gradient_checkpointing), gpu, margin) != FITS:
+            break
+        best = mb
+    return best
+
+
+@dataclass(frozen=True)
+class Change:
+    """One thing to change in the config, with the predicted peak after it (at micro-batch 1)."""
+
+    what: str  # e.g. "load_in_4bit: true"
+    estimate: MemoryEstimate
+    status: str
+
+
+def changes_when_nothing_fits(arch: Architecture, settings: Settings, gpu: Gpu,
+                              gradient_checkpointing: bool) -> list[Change]:
+    """Each single change that helps, with its predicted peak at micro-batch 1, then all of them together."""
+    options: list[tuple[str, Settings, bool]] = []
+    if settings.quantization != "nf4":
+        what = "load_in_4bit: true" + (" (and load_in_8bit: false)" if settings.quantization == "int8" else "")
+        options.append((what, replace(settings, quantization="nf4"), gradient_checkpointing))
+    if settings.optim != "paged_adamw_8bit":
+        options.append(("optim: paged_adamw_8bit", replace(settings, optim="paged_adamw_8bit"),
+                        gradient_checkpointing))
+    if not gradient_checkpointing:
+        options.append(("gradient_checkpointing: true", settings, True))
+    out = [_change(arch, s, gpu, gc, what) for what, s, gc in options]
+    # Everything above at once; a shorter sequence is proposed only if that is not enough.
+    combined = replace(settings, quantization="nf4", optim="paged_adamw_8bit")
+    if len(options) > 1:
+        out.append(_change(arch, combined, gpu, True, "all of the above"))
+    if options and fit_status(estimate_memory(arch, combined, 1, True), gpu) == FITS:
+        return out
+    seq = _shortest_fitting_seq(arch, combined, gpu, True)
+    if seq is not None:
+        prefix = ("with all of the above, " if len(options) > 1 else f"with {options[0][0]}, " if options else "")
+        out.append(_change(arch, replace(combined, max_seq_length=seq), gpu, True, f"{prefix}max_seq_length: {seq}"))
+    return out
+
+
+def _change(arch, settings, gpu, gc, what) -> Change:
+    estimate = estimate_memory(arch, settings, 1, gc)
+    return Change(what, estimate, fit_status(estimate, gpu))
+
+
+def _shortest_fitting_seq(arch, settings, gpu, gc) -> int | None:
+    """The longest max_seq_length, halving from the configured one, at which micro-batch 1 fits."""
+    seq = settings.max_seq_length
+    while seq > MIN_SEQ:
+        seq = max(MIN_SEQ, seq // 2)
+        if fit_status(estimate_memory(arch, replace(settings, max_seq_length=seq), 1, gc), gpu) == FITS:
+            return seq
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointingOff:
+    """Whether gradient checkpointing could be off: at the configured micro-batch, or else the largest that fits."""
+
+    status: str  # at the configured micro-batch, with GC_OFF_MARGIN
+    estimate: MemoryEstimate
+    largest_micro_batch: int | None
+
+
+def checkpointing_off(arch, settings, gpu, micro_batch: int, global_batch: int) -> CheckpointingOff:
+    estimate = estimate_memory(arch, settings, micro_batch, False)
+    return CheckpointingOff(fit_status(estimate, gpu, GC_OFF_MARGIN), estimate,
+                            largest_micro_batch(arch, settings, gpu, global_batch, False, GC_OFF_MARGIN))

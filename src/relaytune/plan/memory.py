@@ -1,0 +1,278 @@
+"""Peak GPU memory of one relaytune LoRA/QLoRA training step, split into named parts that add up.
+
+The model follows what relaytune's code keeps alive (model.py, the training loss, recipe and
+checkpoint state), per token of a micro-batch (B rows x S tokens, every row
+at max_seq_length: the worst case the peak is made of), with a = bytes of the compute dtype,
+h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V vocabulary:
+
+- frozen weights: linear layers at 16/8/4.13/4.5 bits (bf16, int8, NF4 with / without double
+  quantization); embeddings, output head, norms and biases stay in the compute dtype
+  (bitsandbytes quantizes only nn.Linear, and relaytune does not upcast them); a tied head once.
+- LoRA: r x (in + out) per adapted linear, fp32 (PEFT upcasts adapters), its fp32 gradient, and
+  AdamW's two fp32 moments (8 bytes per parameter) or 8-bit ones (2 bytes plus an fp32 absmax per
+  256; tensors under 4,096 values keep fp32 state). paged_adamw_8bit puts tensors of 100,000+
+  values in CUDA unified memory, outside torch's count.
+- checkpoint staging: a save clones the adapter and the optimizer state on the GPU and copies
+  them to the host in the background, during the next step; a fresh run also keeps a clone of
+  the initial adapter for a NaN rollback.
+- saved activations, per layer and token: with gradient checkpointing the layer's input (a x h);
+  without, everything autograd keeps (see `layer_saved_bytes`).
+- the peak is reached either in the loss's backward (all saved activations + one loss chunk:
+  fp32 log-softmax, its gradient and the input gradient, 12 bytes per logit, chunk of
+  CHUNK_TOKENS labelled tokens, recomputed per chunk) or in the backward of the last layer (all
+  saved activations + that layer recomputed + the backward's temporaries), whichever is larger.
+- reserved/nvidia-smi adds allocator slack, the CUDA context and paged optimizer state.
+
+The two constants fitted to measurements (BACKWARD_*) come from the H200 figures in
+bench/results/gpu-h200.md (Qwen2.5-3B, loss chunk 256); bench/planner_accuracy.py re-measures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from relaytune.errors import UserError
+from relaytune.plan.architectures import Architecture
+from relaytune.plan.facts import chunk_tokens, plain_head_types
+from relaytune.plan.gpus import CUDA_CONTEXT_GIB
+
+GIB = 2 ** 30
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# bitsandbytes 4-bit: one absmax per 64 weights, fp32, or with double quantization 8-bit with one fp32
+# constant per 256 blocks.
+NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
+LOSS_BYTES_PER_LOGIT = 12  # fp32 log-softmax output + its gradient + the logits' gradient, alive together
+# Backward temporaries of one decoder layer, in units of a x I per token: gradients of the down
+# projection's input, of the SwiGLU halves and of the LoRA input casts. Adapters in fp32 under
+# half-precision autocast add fp32 copies of those gradients; 4-bit layers skip the fp32 cast.
+BACKWARD_FP32_CAST = 4.3
+BACKWARD_PLAIN = 1.6
+BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, whatever the batch
+SLACK_FRACTION = 0.05  # reserved above allocated: the caching allocator's rounding and fragmentation
+PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages optimizer state of tensors this large
+EIGHT_BIT_MIN_NUMEL = 4096  # smaller tensors keep fp32 moments in the 8-bit optimizers
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The training choices that memory depends on (micro-batch and checkpointing are arguments)."""
+
+    max_seq_length: int
+    quantization: str = "none"  # none | nf4 | fp4 | int8
+    double_quant: bool = True
+    compute_dtype: str = "bf16"  # bf16 | fp16 | fp32
+    optim: str = "adamw_torch"  # adamw_torch | adamw_8bit | paged_adamw_8bit
+    lora_r: int = 16
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
+    lora_dropout: float = 0.05
+    save_only_model: bool = False
+    labelled_fraction: float = 1.0  # share of tokens that carry a label (1.0: the worst case)
+    chunk_tokens: int = field(default_factory=chunk_tokens)
+    staging: bool = True  # a background save's GPU copy may overlap the next step
+    rollback_copy: bool = True  # a fresh run keeps the initial adapter on the GPU
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak memory in bytes. `parts` add up to `total_allocated` (torch.cuda.max_memory_allocated)."""
+
+    parts: dict[str, int]
+    details: dict[str, str]
+    peak_phase: str  # "loss backward" or "layer backward"
+    off_peak: dict[str, int]  # the other phase's parts, which do not coincide with the peak
+    total_allocated: int
+    slack: int
+    cuda_context: int
+    paged: int  # optimizer state in CUDA unified memory (paged_adamw_8bit)
+    micro_batch: int
+    gradient_checkpointing: bool
+
+    @property
+    def total_reserved(self) -> int:
+        """What the card holds for the process (nvidia-smi): allocated + slack + context + paged state."""
+        return self.total_allocated + self.slack + self.cuda_context + self.paged
+
+    @property
+    def torch_reserved(self) -> int:
+        """What torch's caching allocator holds (what torch.cuda.set_per_process_memory_fraction caps)."""
+        return self.total_allocated + self.slack
+
+
+def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
+                    gradient_checkpointing: bool) -> MemoryEstimate:
+    """Peak memory of a training step at this micro-batch, parts first, then totals."""
+    s, tokens = settings, micro_batch * settings.max_seq_length
+    a = DTYPE_BYTES[s.compute_dtype]
+    lora = lora_tensor_sizes(arch, s)
+    n_lora = sum(lora)
+    opt_torch, opt_paged = optimizer_bytes(lora, s.optim)
+    layer = layer_saved_bytes(arch, s)
+    parts = {"frozen weights": weight_bytes(arch, s), "LoRA parameters": 4 * n_lora,
+             "LoRA gradients": 4 * n_lora, "optimizer state": opt_torch,
+             "checkpoint staging": staging_bytes(n_lora, opt_torch + opt_paged, s)}
+    if gradient_checkpointing:
+        parts["saved activations"] = arch.num_layers * tokens * a * arch.hidden_size
+        layer_phase = {"recomputed layer": tokens * layer, "backward working set": working_set(arch, s, tokens)}
+    else:
+        parts["saved activations"] = arch.num_layers * tokens * layer
+        layer_phase = {"backward working set": working_set(arch, s, tokens)}
+    loss_phase = {"loss": loss_bytes(arch, s, tokens)}
+    loss_peak = sum(loss_phase.values()) >= sum(layer_phase.values())
+    at_peak, off = (loss_phase, layer_phase) if loss_peak else (layer_phase, loss_phase)
+    parts.update(at_peak)
+    allocated = sum(parts.values())
+    return MemoryEstimate(
+        parts=parts, details=describe_parts(arch, s, tokens, n_lora, opt_paged, gradient_checkpointing),
+        peak_phase="loss backward" if loss_peak else "layer backward", off_peak=off,
+        total_allocated=allocated, slack=int(SLACK_FRACTION * allocated),
+        cuda_context=int(CUDA_CONTEXT_GIB * GIB), paged=opt_paged, micro_batch=micro_batch,
+        gradient_checkpointing=gradient_checkpointing)
+
+
+def adapted_linears(arch: Architecture, targets) -> list:
+    """The decoder linears that get an adapter; PEFT matches a target name against the module name's end."""
+    if isinstance(targets, str) and targets != "all-linear":
+        targets = (targets,)
+    layer = arch.layer_linears()
+    if targets == "all-linear":
+        return layer
+    names = {str(t).rsplit(".", 1)[-1] for t in targets}
+    chosen = [m for m in layer if m.name in names]
+    if not chosen:
+        raise UserError(f"`lora_target_modules`: none of {sorted(names)} is a linear layer of this model "
+                        f"({arch.model_type}); its layers have {', '.join(m.name for m in layer)}, or use all-linear")
+    return chosen
+
+
+def lora_tensor_sizes(arch: Architecture, s: Settings) -> list[int]:
+    """Element counts of every LoRA A and B matrix in the model."""
+    per_layer = []
+    for m in adapted_linears(arch, s.lora_target_modules):
+        per_layer += [s.lora_r * m.in_features, m.out_features * s.lora_r]
+    sizes = per_layer * arch.num_layers
+    # PEFT's all-linear also adapts linear layers that text never runs through (a vision tower).
+    if s.lora_target_modules == "all-linear":
+        for i, o, n in arch.extra_linears:
+            sizes += [s.lora_r * i, o * s.lora_r] * n
+    return sizes
+
+
+def weight_bytes(arch: Architecture, s: Settings) -> int:
+    a = DTYPE_BYTES[s.compute_dtype]
+    linear = arch.linear_params()
+    if s.quantization in ("nf4", "fp4"):
+        quantized = linear * NF4_BYTES[s.double_quant]
+    elif s.quantization == "int8":
+        rows = sum(m.out_features for m in arch.layer_linears()) * arch.num_layers
+        quantized = linear + 4 * rows  # int8 weights and one fp32 scale per output row
+    else:
+        quantized = linear * a
+    return int(quantized + (arch.embedding_params() + arch.other_params()) * a)
+
+
+def optimizer_bytes(sizes: list[int], optim: str) -> tuple[int, int]:
+    """(bytes torch allocates, bytes in paged unified memory) of the optimizer state."""
+    if optim == "adamw_torch":
+        return 8 * sum(sizes), 0
+    allocated = paged = 0
+    for n in sizes:
+        if n < EIGHT_BIT_MIN_NUMEL:
+            allocated += 8 * n
+            continue
+        moments = 2 * n
+        side = 2 * 4 * math.ceil(n / 256) + 2 * 256 * 4  # fp32 absmax per 256 values, and two 256-entry maps
+        if optim == "paged_adamw_8bit" and n >= PAGED_MIN_NUMEL:
+            paged += moments
+        else:
+            allocated += moments
+        allocated += side
+    return allocated, paged
+
+
+def staging_bytes(n_lora: int, optimizer_total: int, s: Settings) -> int:
+    save_copy = 4 * n_lora + (0 if s.save_only_model else optimizer_total) if s.staging else 0
+    return save_copy + (4 * n_lora if s.rollback_copy else 0)
+
+
+def layer_saved_bytes(arch: Architecture, s: Settings) -> int:
+    """Bytes autograd keeps per token for one decoder layer (no checkpointing).
+
+    RMSNorm keeps its fp32 input (4h each); SDPA keeps q, k, v after RoPE and its output
+    (a(2q + 2kv)); the gated MLP keeps the activation's input and output and the up projection
+    (3aI); each adapted linear keeps the input of lora_A (a x in, a copy per adapter, since PEFT
+    casts it for the fp32 adapter) plus the dropout mask (1 byte x in) when lora_dropout > 0.
+    Frozen linears keep nothing: their weight gradient is never needed.
+    """
+    a, h, q, kv = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, arch.q_dim, arch.kv_dim
+    total = 4 * h * arch.norms_per_layer + (4 * (q + kv) if arch.qk_norm else 0)
+    total += a * (2 * q + 2 * kv) + 3 * a * arch.intermediate_size
+    return total + lora_saved_bytes(arch, s)
+
+
+def lora_saved_bytes(arch: Architecture, s: Settings) -> int:
+    a, mask = DTYPE_BYTES[s.compute_dtype], (1 if s.lora_dropout > 0 else 0)
+    # Without dropout and without a dtype cast (4-bit layers under autocast, or fp32 training), lora_A
+    # reads the very tensor the base layer read, so adapters on one input share one saved copy.
+    shared = mask == 0 and (s.quantization != "none" or a == 4)
+    total, seen = 0, set()
+    for m in adapted_linears(arch, s.lora_target_modules):
+        if shared and m.reads in seen:
+            continue
+        seen.add(m.reads)
+        total += (a + mask) * m.in_features
+    return total
+
+
+def working_set(arch: Architecture, s: Settings, tokens: int) -> int:
+    """Temporaries of one layer's backward (gradients in flight), beyond what the layer saved."""
+    a = DTYPE_BYTES[s.compute_dtype]
+    casts = s.quantization == "none" and a == 2
+    coefficient = BACKWARD_FP32_CAST if casts else BACKWARD_PLAIN
+    return int(coefficient * a * arch.intermediate_size * tokens) + BACKWARD_FIXED
+
+
+def uses_chunked_loss(arch: Architecture) -> bool:
+    """As relaytune's loss decides: a plain linear head of a listed model type, no soft-capping."""
+    return arch.model_type in plain_head_types() and not arch.logit_softcapping
+
+
+def loss_bytes(arch: Architecture, s: Settings, tokens: int) -> int:
+    """The loss's peak in its backward, plus the decoder's last hidden states around it.
+
+    Chunked: one chunk of labelled tokens at a time (fp32 logits, recomputed in backward). Otherwise
+    the model's own forward: logits for every position in the compute dtype, upcast to fp32.
+    """
+    a, h, v = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, arch.vocab_size
+    labelled = max(1, int(tokens * s.labelled_fraction))
+    # The final norm keeps its fp32 input; the labelled rows are gathered and get a gradient.
+    around = tokens * h * (4 + a) + labelled * h * a
+    if uses_chunked_loss(arch):
+        return around + min(s.chunk_tokens, labelled) * v * LOSS_BYTES_PER_LOGIT
+    return around + tokens * v * (LOSS_BYTES_PER_LOGIT + a)
+
+
+def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, paged: int, gc: bool) -> dict:
+    quant = {"none": f"all in {s.compute_dtype}", "int8": "linear layers in int8",
+             "nf4": f"linear layers in NF4{' (double quant)' if s.double_quant else ''}",
+             "fp4": "linear layers in FP4"}[s.quantization]
+    rest = "" if s.quantization == "none" else \
+        f", embeddings{'' if arch.tied_embeddings else ' and head'} in {s.compute_dtype}"
+    opt = {"adamw_torch": "two fp32 moments", "adamw_8bit": "8-bit moments",
+           "paged_adamw_8bit": "8-bit moments"}[s.optim]
+    if paged:
+        opt += f"; {paged / GIB:.2f} GiB more is paged (outside torch's count)"
+    if uses_chunked_loss(arch):
+        chunk = min(s.chunk_tokens, max(1, int(tokens * s.labelled_fraction)))
+        loss = f"{chunk:,} labelled tokens x {arch.vocab_size:,} vocab in fp32, recomputed per chunk"
+    else:
+        loss = f"full logits of {tokens:,} tokens x {arch.vocab_size:,} ({arch.model_type} gets no chunked loss)"
+    saved = ("each layer's input per token (checkpointing)" if gc
+             else "every layer's activations (no checkpointing)")
+    staging = "a save's GPU copy of adapter + optimizer" if s.staging else ""
+    if s.rollback_copy:
+        staging += (" + " if staging else "") + "the initial adapter (NaN rollback)"
+    return {"frozen weights": quant + rest, "LoRA parameters": f"{n_lora / 1e6:.1f} M in fp32",
+            "LoRA gradients": "fp32", "optimizer state": opt, "checkpoint staging": staging,
+            "saved activations": saved, "recomputed layer": "one layer's activations, rebuilt in backward",
+            "backward working set": "gradients in flight in one layer's backward", "loss": loss}

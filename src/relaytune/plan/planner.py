@@ -1,0 +1,158 @@
+"""A whole plan for one run config on one GPU: memory, verdict, micro-batch, checkpoints, disk, speed and ETA."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from relaytune.errors import UserError
+from relaytune.plan.advice import (Change, CheckpointingOff, changes_when_nothing_fits, checkpointing_off,
+                                   fit_status, largest_micro_batch)
+from relaytune.plan.architectures import Architecture
+from relaytune.plan.gpus import Gpu
+from relaytune.plan.memory import (MemoryEstimate, Settings, estimate_memory, lora_tensor_sizes, optimizer_bytes,
+                                   uses_chunked_loss)
+from relaytune.plan.sources import resolve_architecture
+from relaytune.plan.throughput import Eta, Throughput, estimate_eta, estimate_throughput
+
+CHECKPOINT_EXTRA = 64 * 1024  # trainer state, RNG states, metrics history and manifest, as measured
+UNLIMITED_KEEP = 10  # save_total_limit unset keeps every checkpoint; the preflight counts this many too
+
+
+def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Settings:
+    """Settings from a TrainConfig (or anything with its field names), precision chosen as relaytune would."""
+    if cfg.bf16 and not gpu.bf16:
+        dtype = "fp16"  # relaytune falls back to fp16 with a gradient scaler, with a notice
+    elif cfg.fp16:
+        dtype = "fp16"
+    elif cfg.bf16 is False:
+        dtype = "fp32"
+    else:
+        dtype = gpu.precision
+    quant = (getattr(cfg, "bnb_4bit_quant_type", "nf4") if cfg.load_in_4bit else
+             "int8" if cfg.load_in_8bit else "none")
+    targets = cfg.lora_target_modules
+    return Settings(
+        max_seq_length=cfg.max_seq_length, quantization=quant,
+        double_quant=getattr(cfg, "bnb_4bit_use_double_quant", True), compute_dtype=dtype, optim=cfg.optim,
+        lora_r=cfg.lora_r, lora_target_modules=targets if isinstance(targets, str) else tuple(targets),
+        lora_dropout=cfg.lora_dropout, save_only_model=cfg.save_only_model, labelled_fraction=labelled_fraction)
+
+
+@dataclass
+class Plan:
+    arch: Architecture
+    gpu: Gpu
+    settings: Settings
+    micro_batch: int
+    global_batch: int
+    gradient_checkpointing: bool
+    memory: MemoryEstimate
+    status: str  # fits | tight | does not fit
+    best_micro_batch: int | None  # the largest dividing the global batch that fits
+    best_any: int | None  # the largest up to the global batch that fits, dividing it or not
+    best_memory: MemoryEstimate | None
+    gc_off: CheckpointingOff | None  # only when the config has checkpointing on
+    gc_off_throughput: Throughput | None
+    changes: list[Change]  # only when not even micro-batch 1 fits
+    checkpoint_bytes: int
+    checkpoints_kept: int
+    disk_bytes: int
+    throughput: Throughput
+    steps: int | None
+    tokens: float | None
+    tokens_note: str
+    eta: Eta | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def accumulation(self) -> int:
+        return math.ceil(self.global_batch / self.micro_batch)
+
+
+def make_plan(cfg, gpu: Gpu, *, arch: Architecture | None = None, rows: int | None = None,
+              mean_tokens: float | None = None, labelled_fraction: float = 1.0) -> Plan:
+    """Everything `relaytune plan` prints, for a config (TrainConfig field names) on a GPU.
+
+    rows: training rows, if known (else the ETA needs max_steps); mean_tokens: tokens per row, if
+    known (else every row is assumed to fill max_seq_length, an upper bound).
+    """
+    arch = arch or resolve_architecture(cfg.model)
+    settings = settings_from_config(cfg, gpu, labelled_fraction)
+    micro = cfg.per_device_train_batch_size
+    global_batch = micro * cfg.gradient_accumulation_steps
+    gc = bool(cfg.gradient_checkpointing)
+    memory = estimate_memory(arch, settings, micro, gc)
+    best = largest_micro_batch(arch, settings, gpu, global_batch, gc)
+    best_any = largest_micro_batch(arch, settings, gpu, global_batch, gc, divisors_only=False)
+    per_ckpt, kept, disk = checkpoint_disk(arch, settings, cfg.save_total_limit)
+    throughput = estimate_throughput(arch, gpu, settings.max_seq_length, gc, settings.quantization,
+                                     settings.compute_dtype)
+    steps, tokens, note = run_tokens(cfg, global_batch, rows, mean_tokens)
+    eta = estimate_eta(tokens, throughput.tokens_per_second) if tokens and throughput.tokens_per_second else None
+    return Plan(
+        arch=arch, gpu=gpu, settings=settings, micro_batch=micro, global_batch=global_batch,
+        gradient_checkpointing=gc, memory=memory, status=fit_status(memory, gpu), best_micro_batch=best,
+        best_any=best_any, best_memory=estimate_memory(arch, settings, best, gc) if best else None,
+        gc_off=checkpointing_off(arch, settings, gpu, micro, global_batch) if gc else None,
+        gc_off_throughput=estimate_throughput(arch, gpu, settings.max_seq_length, False, settings.quantization,
+                                              settings.compute_dtype) if gc else None,
+        changes=changes_when_nothing_fits(arch, settings, gpu, gc) if best_any is None else [],
+        checkpoint_bytes=per_ckpt, checkpoints_kept=kept, disk_bytes=disk, throughput=throughput, steps=steps,
+        tokens=tokens, tokens_note=note, eta=eta, notes=plan_notes(arch, settings, gpu, cfg))
+
+
+def checkpoint_disk(arch: Architecture, settings: Settings, save_total_limit: int | None) -> tuple[int, int, int]:
+    """(bytes per checkpoint, checkpoints on disk at once, disk for the run including the final adapter).
+
+    A checkpoint holds the fp32 adapter, the whole optimizer state (unless save_only_model) and
+    ~64 KiB of JSON; retention deletes only after the next one is committed, so one more is on disk.
+    """
+    sizes = lora_tensor_sizes(arch, settings)
+    adapter = 4 * sum(sizes)
+    optimizer = 0 if settings.save_only_model else sum(optimizer_bytes(sizes, settings.optim))
+    per_checkpoint = adapter + optimizer + CHECKPOINT_EXTRA
+    kept = (save_total_limit or UNLIMITED_KEEP) + 1
+    return per_checkpoint, kept, kept * per_checkpoint + adapter + CHECKPOINT_EXTRA
+
+
+def run_tokens(cfg, global_batch: int, rows: int | None, mean_tokens: float | None):
+    """(optimizer steps, tokens the run trains on, how that was reached); None where not known."""
+    seq = cfg.max_seq_length
+    per_row = min(float(mean_tokens), seq) if mean_tokens else float(seq)
+    basis = (f"rows of {per_row:,.0f} tokens on average" if mean_tokens
+             else f"every row filling max_seq_length ({seq}), an upper bound")
+    units = rows
+    if cfg.packing and rows and mean_tokens:
+        units = math.ceil(rows * per_row / seq)  # packed sequences of max_seq_length
+        per_row = float(seq)
+        basis = f"{rows:,} rows packed into about {units:,} sequences of {seq}"
+    if cfg.max_steps and cfg.max_steps > 0:
+        steps = cfg.max_steps
+    elif units:
+        steps = max(1, math.ceil(cfg.num_train_epochs * math.ceil(units / global_batch)))
+    else:
+        return None, None, ("the number of rows is not known (a Hub dataset, or several files); set "
+                            "max_steps or pass --rows N to get a time estimate")
+    tokens = steps * global_batch * per_row
+    return steps, tokens, f"{steps:,} steps x {global_batch} rows, assuming {basis}"
+
+
+def plan_notes(arch: Architecture, settings: Settings, gpu: Gpu, cfg) -> list[str]:
+    notes = list(arch.notes)
+    if cfg.bf16 and not gpu.bf16:
+        notes.append(f"{gpu.name} has no bf16: relaytune trains in fp16 with a gradient scaler")
+    if settings.labelled_fraction >= 1.0:
+        notes.append("memory assumes every row of a micro-batch reaches max_seq_length and every token is "
+                     "labelled (the worst case a step can meet)")
+    if not uses_chunked_loss(arch):
+        notes.append(f"{arch.model_type} computes its loss through the model's own forward (full logits); "
+                     "longer sequences cost much more memory than with relaytune's chunked loss")
+    return notes
+
+
+def check_plan_inputs(rows: int | None, mean_tokens: float | None) -> None:
+    if rows is not None and rows < 1:
+        raise UserError("--rows must be at least 1")
+    if mean_tokens is not None and mean_tokens <= 0:
+        raise UserError("--mean-tokens must be greater than 0")
