@@ -96,8 +96,9 @@ def run(name: str, model: Path, data: Path, **cfg) -> dict:
     saves = [r["blocked_seconds"] for r in records if r.get("event") == "checkpoint"]
     ckpts = sorted((out / "checkpoints").glob("step-*"))
     size = sum(f.stat().st_size for f in ckpts[-1].iterdir()) if ckpts else 0
+    pairs = list(zip(warm, warm[1:]))
     step_seconds = statistics.median(
-        (b["tokens_seen"] - a["tokens_seen"]) / b["tokens_per_second"] for a, b in zip(warm, warm[1:])) if len(warm) > 1 else None
+        (b["tokens_seen"] - a["tokens_seen"]) / b["tokens_per_second"] for a, b in pairs) if pairs else None
     return {
         "case": name, "steps": len(steps), "wall_seconds": round(wall, 1),
         "tokens_per_second_median": round(statistics.median(r["tokens_per_second"] for r in warm), 1),

@@ -22,6 +22,8 @@ import time
 import numpy as np
 import torch
 
+from relaytune.data import IGNORE
+
 ARCHS = {
     "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
@@ -66,7 +68,7 @@ def run(model, batches, warmup: int = 2) -> tuple[float, float]:
             sync()
             t0, tokens = time.perf_counter(), 0
         batch = {k: v.to(DEV, non_blocking=True) for k, v in batch.items()}
-        n = int((batch["labels"][:, 1:] != -100).sum())
+        n = int((batch["labels"][:, 1:] != IGNORE).sum())
         model(**batch, num_items_in_batch=n).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -84,22 +86,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     args = p.parse_args()
 
-    try:
-        from relaytune.data.prepare import TokenRow
-    except ImportError as e:  # a GPU box without pydantic: the same row type, stood in
-        import dataclasses
-        import sys
-        import types
-
-        print(f"# relaytune.data.prepare not importable here ({e}); using a stand-in TokenRow")
-
-        @dataclasses.dataclass(eq=False)
-        class TokenRow:
-            input_ids: np.ndarray
-            labels: np.ndarray
-            segments: tuple | None = None
-
-        sys.modules["relaytune.data.prepare"] = types.SimpleNamespace(TokenRow=TokenRow, IGNORE=-100)
+    from relaytune.data import TokenRow
     from relaytune.data.batches import collate
     from relaytune.data.packing import best_fit_decreasing, concat, efficiency
 

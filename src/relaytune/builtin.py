@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from relaytune import atomic
 from relaytune.errors import UserError
 from relaytune.log import info
 
@@ -57,20 +57,22 @@ def _convert(gguf: Path, target: Path) -> None:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(loaded.state_dict())
-    tmp = Path(tempfile.mkdtemp(prefix=".relaytune-tmp-", dir=target.parent))
+    tmp = atomic.tmp_path(target.parent, target.name)
+    tmp.mkdir()
     try:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         _share_like_umask(tmp)
         if target.exists():
-            shutil.rmtree(target)  # a half-written cache of our own, from an interrupted conversion
-        os.replace(tmp, target)
+            atomic.remove_folder(target)  # a half-written cache of our own, from an interrupted conversion
+        atomic.publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _share_like_umask(folder: Path) -> None:
-    """mkdtemp makes the folder owner-only; a cache on a team folder must be readable by others."""
+    """A cache on a team folder must be readable by others as far as the umask allows, whatever
+    modes the writing libraries chose."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(folder, 0o777 & ~umask)

@@ -1,4 +1,12 @@
-"""The exceptions that map to the contract's exit codes."""
+"""The exceptions that carry the contract's exit codes: the CLI exits with `exc.exit_code`.
+
+0 finished or already finished; 75 stopped early on purpose with a checkpoint committed;
+2 bad configuration or data; 1 training cannot go on as configured.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
 
 
 class UserError(Exception):
@@ -7,15 +15,24 @@ class UserError(Exception):
     exit_code = 2
 
 
+class StopReason(StrEnum):
+    """How a session that stopped early ended; the value is written to sessions.jsonl."""
+
+    SIGNAL = "signal"  # SIGTERM/SIGINT/SIGUSR1, e.g. a preemption notice
+    TIME_LIMIT = "time_limit"  # time_limit or stop_at reached
+    OOM = "oom"  # out of memory at the smallest micro-batch, after a checkpoint
+    DISK = "disk"  # checkpoints could not be written, repeatedly
+
+
 class StoppedEarly(Exception):
-    """Stopped on purpose (signal, time limit, unrecoverable OOM) with a checkpoint
-    committed; running the same command again continues. Exit code 75."""
+    """Stopped on purpose (signal, time limit, unrecoverable OOM, no room for checkpoints) with
+    the newest checkpoint kept; running the same command again continues. Exit code 75."""
 
     exit_code = 75
 
-    def __init__(self, message: str, step: int, checkpoint: str | None, how: str = "stopped"):
+    def __init__(self, message: str, step: int, checkpoint: str | None, how: StopReason | str):
         super().__init__(message)
-        self.how = how  # "signal", "time_limit", "oom", "nan": how the session ended
+        self.how = StopReason(how)
         self.step = step
         self.checkpoint = checkpoint
 

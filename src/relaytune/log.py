@@ -1,5 +1,6 @@
 """Human-facing messages. Everything goes to stderr so stdout stays clean for tools."""
 
+import logging
 import sys
 
 from tqdm.auto import tqdm
@@ -15,3 +16,22 @@ def notice(message: str) -> None:
 
 def warn(message: str) -> None:
     tqdm.write(f"relaytune: warning: {message}", file=sys.stderr)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the records of one logger whose message starts with `prefix`; keeps every other."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+# bitsandbytes logs this at import on a CPU with AVX512-BF16 when the optional `kernels` package is
+# missing; it then uses its own CPU kernels, so nothing is wrong. The import comes from `import peft`
+# (wherever that runs first, e.g. the checkpoint saver's version list), so the filter is set here, in
+# the module every relaytune module imports, before any of them can import peft.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    _DropMessage("Failed to load CPU gemm_4bit_forward"))

@@ -85,6 +85,38 @@ class RunDir:
     def trackers(self) -> Path:
         return self.root / "trackers"
 
+    @property
+    def tensorboard(self) -> Path:
+        """The tensorboard log folder, one for every session of the run."""
+        return self.root / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        """wandb's own files (its offline runs among them)."""
+        return self.root / "wandb"
+
+    @property
+    def mlruns(self) -> Path:
+        """mlflow's file store, when MLFLOW_TRACKING_URI is not set."""
+        return self.root / "mlruns"
+
+    def tracker_state(self, tracker: str) -> Path:
+        """The id of the tracker's run (wandb, mlflow, trackio), kept so that a resume continues it."""
+        return self.root / f"{tracker}_run.json"
+
+    @property
+    def plot(self) -> Path:
+        """The loss / learning-rate plot that `status` writes."""
+        return self.root / "training_plot.png"
+
+    def compare_report(self, stamp: str) -> Path:
+        """The Markdown report of one `compare`, by default."""
+        return self.root / f"compare-{stamp}.md"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".relaytune.lock"
+
     def is_finished(self) -> bool:
         return verify(self.final) is None
 
@@ -101,16 +133,29 @@ class AdapterRef:
     step: int | None
 
     @property
+    def is_step(self) -> bool:
+        """A checkpoints/step-N folder (not final/ or best/)."""
+        return STEP_DIR.match(self.name) is not None
+
+    @property
     def sha256(self) -> str:
         """The adapter's content hash, from the manifest: a cache key that survives renames."""
         return read_manifest(self.path)["files"][ADAPTER]["sha256"]
+
+
+def read_text_or_empty(path: Path) -> str:
+    """A text file that training may not have written yet: "" when absent or unreadable."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError:
+        return ""
 
 
 def run_dir(path: str | Path) -> Path:
     p = Path(path).expanduser().resolve()
     if not p.is_dir():
         raise UserError(f"{path}: no such run folder")
-    if not any((p / name).exists() for name in ("checkpoints", "final", "metrics.jsonl", "sessions.jsonl")):
+    if not RunDir(p).looks_like_a_run():
         raise UserError(f"{path} does not look like a relaytune run (no checkpoints/, final/, "
                         "metrics.jsonl or sessions.jsonl)")
     return p
@@ -118,13 +163,13 @@ def run_dir(path: str | Path) -> Path:
 
 def step_checkpoints(run: Path) -> list[AdapterRef]:
     """Checkpoints with a manifest, oldest first (a folder mid-commit is not listed)."""
-    root = run / "checkpoints"
+    root = RunDir(run).checkpoints
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and (p / "manifest.json").is_file():
+        if m and (p / MANIFEST).is_file():
             found.append(AdapterRef(p.name, p, int(m.group(1))))
     return sorted(found, key=lambda a: a.step)
 
@@ -167,12 +212,12 @@ def named(run: Path, name: str) -> AdapterRef:
     elif name == "best":
         ref = best_ref(run)
     elif name == "final":
-        ref = AdapterRef("final", run / "final", _final_step(run))
+        ref = AdapterRef("final", RunDir(run).final, _final_step(run))
     else:
         step = name[5:] if name.startswith("step-") else name
         if not step.isdigit():
             raise UserError(f"{name!r} is not a checkpoint name; use step-N, N, final, best or latest")
-        ref = AdapterRef(f"step-{int(step)}", run / "checkpoints" / f"step-{int(step)}", int(step))
+        ref = _step_ref(run, int(step))
     if not ref.path.is_dir():
         have = ", ".join(r.name for r in default_refs(run)) or "none"
         raise UserError(f"{run}: no {ref.name} (committed adapters: {have})")
@@ -184,20 +229,22 @@ def named(run: Path, name: str) -> AdapterRef:
 
 def best_ref(run: Path) -> AdapterRef:
     """best/ once training has finished; during training, the checkpoint of the best eval so far."""
-    if (run / "best" / "manifest.json").is_file():
-        return AdapterRef("best", run / "best", read_manifest(run / "best").get("step"))
+    best = RunDir(run).best
+    if (best / MANIFEST).is_file():
+        return AdapterRef("best", best, read_manifest(best).get("step"))
     state = newest_state(run)
     step = (state or {}).get("counters", {}).get("best_step")
     if step is None:
         raise UserError(f"{run}: no best checkpoint (the run has no evaluation yet)")
-    return AdapterRef(f"step-{step}", run / "checkpoints" / f"step-{step}", step)
+    return _step_ref(run, step)
 
 
 def default_refs(run: Path) -> list[AdapterRef]:
     """Every committed checkpoint, then final/ if present."""
     refs = step_checkpoints(run)
-    if (run / "final" / "manifest.json").is_file():
-        refs.append(AdapterRef("final", run / "final", _final_step(run)))
+    final = RunDir(run).final
+    if (final / MANIFEST).is_file():
+        refs.append(AdapterRef("final", final, _final_step(run)))
     return refs
 
 
@@ -222,6 +269,11 @@ def select(run: Path, spec: str | None) -> list[AdapterRef]:
             if ref.path not in {r.path for r in out}:
                 out.append(ref)
     return out
+
+
+def _step_ref(run: Path, step: int) -> AdapterRef:
+    path = RunDir(run).step(step)
+    return AdapterRef(path.name, path, step)
 
 
 def _final_step(run: Path) -> int | None:

@@ -65,8 +65,8 @@ def test_read_prompts_formats(tmp_path):
     txt.write_text("first question\n\nsecond one\n")
     assert [p.text for p in read_prompts(txt)] == ["first question", "second one"]
     js = tmp_path / "p.jsonl"
-    js.write_text(json.dumps({"prompt": "q", "system": "be brief", "reference": "a"}) + "\n" +
-                  json.dumps({"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "r"}]}) + "\n")
+    chat = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "r"}]}
+    js.write_text(json.dumps({"prompt": "q", "system": "be brief", "reference": "a"}) + "\n" + json.dumps(chat) + "\n")
     p1, p2 = read_prompts(js)
     assert p1.messages[0] == {"role": "system", "content": "be brief"} and p1.reference == "a"
     assert p2.messages == [{"role": "user", "content": "u"}] and p2.reference == "r"  # the answer is the reference

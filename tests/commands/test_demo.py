@@ -7,11 +7,11 @@ import importlib.util
 import re
 
 import pytest
-
-from relaytune.data.read import normalise, read_rows
-from relaytune.commands.demo import DATA
-
 from conftest import REPO, run_cli
+
+from relaytune.commands.demo import DATA
+from relaytune.data.formats import normalise
+from relaytune.data.read import read_rows
 
 
 def _conversations(name: str) -> list[list[dict]]:

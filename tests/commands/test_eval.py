@@ -7,9 +7,10 @@ import json
 import pytest
 from support.trained_run import copy_run, finished_run, one_thread, train_run, wired
 
-from relaytune.commands import evaluate
 from relaytune.atomic import read_manifest, verify
 from relaytune.cli import main
+from relaytune.commands import evaluate
+from relaytune.training import evaluation
 
 
 @pytest.fixture
@@ -42,8 +43,8 @@ def direct_loss(model_dir, adapter_dir, rows) -> float:
 
 def test_eval_matches_direct_computation_and_training_log(run, tiny_model, monkeypatch):
     calls = []
-    real = evaluate.eval_loss
-    monkeypatch.setattr(evaluate, "eval_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = evaluation.eval_loss
+    monkeypatch.setattr(evaluation, "eval_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
     with one_thread():
         first = evaluate.evaluate_run(run, checkpoints="step-4")
         results = evaluate.evaluate_run(run)
@@ -53,7 +54,7 @@ def test_eval_matches_direct_computation_and_training_log(run, tiny_model, monke
     assert len(calls) == 2 + 2 and by_name["step-4"].cached and by_name["base"].cached
     assert by_name["step-4"].eval_loss == first[1].eval_loss
 
-    from relaytune.data.prepare import prepare_data
+    from relaytune.data import prepare_data
     from relaytune.model import load_tokenizer
     from relaytune.run_dir import run_config
 

@@ -97,3 +97,61 @@ def _running(run):
     except UserError:
         return None
     return st if st.state.startswith("running") and st.step >= 3 and st.total else None
+
+
+def test_status_shows_the_newest_step_of_progress_metrics_and_checkpoints(tmp_path_factory, tiny_model, tmp_path):
+    """Issue 14 item 6: "steps 10/20" beside checkpoint step-13; the newest truth wins."""
+    import shutil
+
+    run = copy_run(finished_run(tmp_path_factory, tiny_model), tmp_path / "run")
+    shutil.rmtree(run / "final")  # an unfinished run: its newest checkpoint is step-8
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines
+                                               if json.loads(line).get("step", 0) <= 5))
+    progress = json.loads((run / "progress.json").read_text())
+    for entry in progress.values():
+        entry["step"] = 6  # lags the checkpoint (it is written on logging steps only)
+    (run / "progress.json").write_text(json.dumps(progress))
+    sessions = [json.loads(line) for line in (run / "sessions.jsonl").read_text().splitlines()]
+    (run / "sessions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sessions if r["event"] == "start"))
+    st = run_status(run, plot=False)
+    assert st.step == 8 and "steps    8 / 12" in format_status(st)
+
+
+def test_plot_has_title_log_scale_warmup_and_checkpoint_markers(tmp_path_factory, tiny_model, tmp_path):
+    pytest.importorskip("matplotlib")
+    from relaytune.commands.status import plot_figure
+
+    run = copy_run(finished_run(tmp_path_factory, tiny_model), tmp_path / "run")
+    state_file = run / "checkpoints" / "step-8" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["warmup_steps"] = 3
+    state_file.write_text(json.dumps(state))
+    st = run_status(run)
+    assert st.plot.read_bytes()[:8] == PNG
+    records = st.records
+    fig = plot_figure(records, title=f"{run.name}: step 12 / 12", warmup=3, checkpoints=[4, 8, 12])
+    assert fig._suptitle.get_text() == "run: step 12 / 12"
+    top, bottom = fig.axes
+    assert top.get_yscale() == "log"
+    marks = sorted(line.get_xdata()[0] for line in top.lines if line.get_gid() == "checkpoint")
+    assert marks == [4, 8, 12]
+    [span] = [p for p in top.patches if p.get_gid() == "warmup"]
+    assert span.get_x() == 0 and span.get_width() == 3  # axvspan's Rectangle, in data x
+    assert [line.get_gid() for line in bottom.lines].count("checkpoint") == 3
+    # what `status` itself draws: the run's own title, warm-up from its config, its checkpoints
+    from relaytune.commands import status as status_mod
+
+    seen = {}
+    real = status_mod.plot_figure
+
+    def spy(records, title=None, warmup=0, checkpoints=()):
+        seen.update(title=title, warmup=warmup, checkpoints=list(checkpoints))
+        return real(records, title, warmup, checkpoints)
+
+    status_mod.plot_figure = spy
+    try:
+        run_status(run)
+    finally:
+        status_mod.plot_figure = real
+    assert seen["title"] == "run: step 12 / 12" and seen["warmup"] == 3 and seen["checkpoints"] == [4, 8]

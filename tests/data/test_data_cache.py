@@ -4,12 +4,13 @@ clock); a change that matters does, and says why; a damaged cache is rebuilt."""
 import json
 
 import pytest
-
-from relaytune.config.loader import load_config
-from relaytune.data.prepare import prepare_data
-from relaytune.tiny import make_tokenizer
-
 from conftest import chat_rows, write_jsonl
+
+from relaytune import faults
+from relaytune.atomic import TMP_PREFIX
+from relaytune.config.loader import load_config
+from relaytune.data import prepare_data
+from relaytune.tiny import make_tokenizer
 
 
 class Counting:
@@ -129,7 +130,7 @@ def test_a_damaged_cache_is_rebuilt(tmp_path, tok_dir, capsys, damage):
 def test_unfinished_write_is_cleaned_and_old_entries_pruned(tmp_path, tok_dir):
     write_jsonl(tmp_path / "data.jsonl", chat_rows(10))
     cache = tmp_path / "run" / "data-cache"
-    (cache / ".relaytune-tmp-abc-123").mkdir(parents=True)  # as a kill mid-write leaves it
+    (cache / f"{TMP_PREFIX}abc-123").mkdir(parents=True)  # as a kill mid-write leaves it
     for n in range(5):
         write_jsonl(tmp_path / "data.jsonl", chat_rows(10, seed=n))
         run(tmp_path, session(tok_dir))
@@ -150,3 +151,20 @@ def test_eval_data_does_not_change_the_training_fingerprint(tmp_path, tok_dir):
     assert len(with_eval.eval) == 1 and with_eval.fingerprint == plain.fingerprint  # 5 rows, packed
     split = run(tmp_path, session(tok_dir), packing=True, val_set_size=4)
     assert split.fingerprint != plain.fingerprint  # held-out rows leave training: another run
+
+
+@pytest.mark.parametrize("point", ["cache:mid_file", "cache:before_rename"])
+def test_a_failed_cache_write_leaves_nothing_behind_and_the_run_goes_on(tmp_path, tok_dir, capsys, point):
+    write_jsonl(tmp_path / "data.jsonl", chat_rows(10))
+    faults.reset({"RELAYTUNE_FAIL_AT": f"{point}:1:28"})  # a full disk at that step of the commit
+    try:
+        first = run(tmp_path, session(tok_dir))
+    finally:
+        faults.reset()
+    assert "could not write the data cache" in capsys.readouterr().err
+    assert not any((tmp_path / "run" / "data-cache").iterdir())  # no entry and no tmp folder
+    cold = session(tok_dir)
+    assert run(tmp_path, cold).fingerprint == first.fingerprint and cold.calls > 0
+    warm = session(tok_dir)
+    run(tmp_path, warm)
+    assert warm.calls == 0

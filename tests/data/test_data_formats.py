@@ -5,7 +5,7 @@ import json
 import pytest
 
 from relaytune.config.loader import load_config
-from relaytune.data.prepare import prepare_data
+from relaytune.data import prepare_data
 from relaytune.errors import UserError
 from relaytune.tiny import make_tokenizer
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relaytune.config.loader import load_config
-from relaytune.data.prepare import prepare_data
+from relaytune.data import prepare_data
 from relaytune.errors import UserError
 from relaytune.tiny import make_tokenizer
 

@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import chat_rows, make_config, write_jsonl
+from row_tokens import tokenize
 
 from relaytune.config.schema import TrainConfig
-from relaytune.data.prepare import TokenRow, tokenize
-from relaytune.data.formats import Row, normalise
-from relaytune.model import choose_precision, load_model
+from relaytune.data import IGNORE, TokenRow
 from relaytune.data.batches import DataOrder, count_targets, micro_batches
-from relaytune.checkpoint.state import Counters
+from relaytune.data.formats import RawRow, normalise
+from relaytune.model import choose_precision, load_model
 from relaytune.tiny import make_tokenizer
-
 from relaytune.training import recipe as loop
+from relaytune.training import trainer as trainer_module
+from relaytune.training.step import StepParts, optimizer_step
 
-IGNORE = -100
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -64,8 +64,7 @@ def test_resumed_order_gives_the_next_8_batches_after_40():
     seen = [uninterrupted.batch_rows(s) for s in range(48)]
     state = json.dumps(uninterrupted.cursor(40).as_dict())  # what a checkpoint holds
     assert json.loads(state) == {"epoch": 3, "batch": 7}
-    DataOrder._permutation.cache_clear()  # nothing survives a new process
-    resumed = DataOrder(n_rows, batch, seed)
+    resumed = DataOrder(n_rows, batch, seed)  # a new process: nothing cached carries over
     cursor = json.loads(state)
     start = cursor["epoch"] * resumed.steps_per_epoch + cursor["batch"]
     assert [resumed.batch_rows(start + k) for k in range(8)] == seen[40:48]
@@ -75,17 +74,16 @@ def test_resumed_training_loop_trains_the_same_next_batches(tmp_path, tiny_model
     """Through the real loop: stop after step 41 (checkpoint at 40), re-run; steps 40..47 of the
     resumed session get exactly the rows of the uninterrupted run, in the same order."""
     data = write_jsonl(tmp_path / "data.jsonl", chat_rows(42, seed=5))
-    real_step = loop.optimizer_step
     seen: dict[str, dict[int, list]] = {"ref": {}, "a": {}, "b": {}}
     current = {"name": "ref", "stop_at": None}
 
-    def recording_step(model, optimizer, scaler, rows, c, cfg, *args):
-        if c.step == current["stop_at"]:
+    def recording_step(parts, rows, micro_batch_size, step):
+        if step == current["stop_at"]:
             raise KeyboardInterrupt("simulated kill")
-        seen[current["name"]][c.step] = [r.input_ids.tolist() for r in rows]
-        return real_step(model, optimizer, scaler, rows, c, cfg, *args)
+        seen[current["name"]][step] = [r.input_ids.tolist() for r in rows]
+        return optimizer_step(parts, rows, micro_batch_size, step)
 
-    monkeypatch.setattr(loop, "optimizer_step", recording_step)
+    monkeypatch.setattr(trainer_module, "optimizer_step", recording_step)
     settings = dict(max_steps=48, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                     save_steps=40, lora_r=4, lora_dropout=0.0, logging_steps=8)
     loop.train(str(make_config(tmp_path / "ref", tiny_model, data, **settings)))
@@ -127,7 +125,7 @@ def rows(tok) -> list[TokenRow]:
     ]
     out = []
     for s in samples:
-        ids, labels = tokenize(normalise(Row("t:1", s)), tok)
+        ids, labels = tokenize(normalise(RawRow("t:1", s)), tok)
         out.append(TokenRow(ids, labels))
     assert len({r.targets for r in out}) > 3 and len({len(r.input_ids) for r in out}) > 3
     return out
@@ -187,8 +185,9 @@ def test_gradient_is_the_same_for_every_micro_batch_size(lora_model, rows, tok):
     results = {}
     for micro in (1, 2, 4, 8):
         optimizer = GradRecorder(params)
-        c = Counters(micro_batch_size=micro, accumulation=len(rows) // micro)
-        loss, norm, updated = loop.optimizer_step(model, optimizer, None, rows, c, cfg, precision, pad)
+        parts = StepParts(model, optimizer, None, precision, pad, cfg.max_grad_norm)
+        result = optimizer_step(parts, rows, micro, step=0)
+        loss, norm, updated = result.loss, result.grad_norm, result.updated
         assert updated and math.isfinite(loss)
         assert all(p.grad is None for p in params), "gradients are cleared after the step"
         assert all(torch.equal(p, s) for p, s in zip(params, start)), "the recorder changes nothing"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from relaytune.data.prepare import IGNORE, TokenRow
+from relaytune.data import IGNORE, TokenRow
 from relaytune.data.batches import collate, count_targets
 from relaytune.data.packing import best_fit_decreasing, concat, efficiency
 

@@ -4,7 +4,6 @@ byte-identical to an uninterrupted run's. The second session reads the tokenizat
 import random
 
 import pytest
-
 from conftest import make_config, run_cli, write_jsonl
 
 

@@ -4,13 +4,12 @@ and training stops only above max_bad_fraction; long rows truncate, drop or erro
 import json
 
 import pytest
+from conftest import chat_rows, make_config, run_cli, write_jsonl
 
 from relaytune.config.loader import load_config
-from relaytune.data.prepare import prepare_data
+from relaytune.data import prepare_data
 from relaytune.errors import UserError
 from relaytune.tiny import make_tokenizer
-
-from conftest import chat_rows, make_config, run_cli, write_jsonl
 
 GOOD = chat_rows(1)[0]
 BAD_LINES = [  # (raw jsonl line, what the reason must mention)

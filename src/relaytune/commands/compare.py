@@ -10,6 +10,7 @@ training rows did.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import textwrap
@@ -17,10 +18,37 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaytune.data.formats import BadRow
+from relaytune import atomic
 from relaytune.errors import UserError
-from relaytune.run_dir import load_adapter_slot, put_adapter, run_config, run_dir, select
-from relaytune.data.templates import Renderer, resolve
+from relaytune.run_dir import RunDir, load_adapter_slot, put_adapter, run_config, run_dir, select
+
+DESCRIPTION = ("Generate from the base model and each chosen checkpoint on the same prompts, with the run's "
+               "chat template; side by side in the terminal and in a Markdown report. Greedy unless "
+               "--temperature is given; rows with a `reference` are scored (exact match, contains).")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("compare", help="generate from the base model and checkpoints on the same prompts",
+                              description=DESCRIPTION)
+    p.add_argument("run_dir", help="the run's output_dir")
+    p.add_argument("--prompts", required=True,
+                   help="jsonl with `prompt` (or `messages`) and optional `reference`, or a text file, one per line")
+    p.add_argument("--checkpoints", help="comma list of step-N, final, best, latest (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per answer (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1.0 (default): none")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, reset before every model x prompt")
+    p.add_argument("--report", help="Markdown report path (default: RUN_DIR/compare-TIME.md)")
+    p.add_argument("--config", help="the run's config file, if no checkpoint holds it")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    d = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.repetition_penalty, args.seed)
+    result = compare_run(args.run_dir, args.prompts, args.checkpoints, d, args.report, args.config)
+    print(side_by_side(result))
+    print(f"report: {result.report}")
 
 
 @dataclass
@@ -98,6 +126,8 @@ def read_prompts(path: str | Path) -> list[Prompt]:
 def compare_run(run: str | Path, prompts_file: str | Path, checkpoints: str | None = None,
                 decoding: Decoding | None = None, report: str | Path | None = None,
                 config: str | None = None) -> Comparison:
+    from relaytune.data.templates import resolve
+
     out = run_dir(run)
     cfg = run_config(out, config)
     decoding = decoding or Decoding()
@@ -109,33 +139,37 @@ def compare_run(run: str | Path, prompts_file: str | Path, checkpoints: str | No
     template = resolve(cfg.chat_template, tokenizer)
     outputs: dict[str, list[str]] = {}
     with model.disable_adapter():
-        outputs["base"] = [generate(model, tokenizer, template, p, decoding, precision) for p in prompts]
+        outputs["base"] = [generate_answer(model, tokenizer, template, p, decoding, precision) for p in prompts]
     for ref in refs:
         put_adapter(model, ref)
-        outputs[ref.name] = [generate(model, tokenizer, template, p, decoding, precision) for p in prompts]
+        outputs[ref.name] = [generate_answer(model, tokenizer, template, p, decoding, precision) for p in prompts]
     result = Comparison(prompts, outputs, score(prompts, outputs))
-    path = Path(report) if report else out / f"compare-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    path = Path(report) if report else RunDir(out).compare_report(time.strftime("%Y%m%d-%H%M%S"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown(result, cfg, decoding, refs, template.name), encoding="utf-8")
+    atomic.replace_file(path, markdown(result, cfg, decoding, refs, template.name))
     result.report = path
     return result
 
 
 def prompt_ids(tokenizer, template, messages: list[dict]) -> list[int]:
     """The generation prompt rendered as training rendered its rows (same template, same encoding)."""
+    from relaytune.data.formats import BadRow
+    from relaytune.data.templates import Renderer
+
     if template.text is not None:
         try:
             text = Renderer(template, tokenizer).render(messages, True)
         except BadRow as e:
             raise UserError(f"--prompts: {e}") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    # the plain format of data_tokenize._plain, piece by piece as it encodes
+    # the plain format of relaytune.data.tokenize._plain, piece by piece as it encodes
     pieces = [p for m in messages for p in (f"### {m['role'].capitalize()}:\n", m["content"] + "\n\n")]
     pieces.append("### Assistant:\n")
     return [t for piece in pieces for t in tokenizer(piece, add_special_tokens=False)["input_ids"]]
 
 
-def generate(model, tokenizer, template, prompt: Prompt, d: Decoding, precision) -> str:
+def generate_answer(model, tokenizer, template, prompt: Prompt, d: Decoding, precision) -> str:
+    """One model's answer to one prompt, decoded exactly as `d` says."""
     import torch
     from transformers import GenerationConfig
 
@@ -229,10 +263,3 @@ def markdown(result: Comparison, cfg, d: Decoding, refs, template_name: str) -> 
             md += ["", f"**{name}**", "", fence + "text", outs[i], fence]
     return "\n".join(md) + "\n"
 
-
-def main(args) -> None:
-    """`relaytune compare` (see cli.py for the options)."""
-    d = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.repetition_penalty, args.seed)
-    result = compare_run(args.run_dir, args.prompts, args.checkpoints, d, args.report, args.config)
-    print(side_by_side(result))
-    print(f"report: {result.report}")

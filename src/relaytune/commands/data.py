@@ -8,19 +8,36 @@ rows were truncated, dropped or quarantined, and how full the sequences are.
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 
-import numpy as np
+DESCRIPTION = ("Read, check and tokenize the training data exactly as `train` would (tokenizer only, no "
+               "model), write bad rows to output_dir/quarantine.jsonl, fill the tokenization cache, and "
+               "print statistics. Exit 2 if the data is unusable.")
 
-from relaytune.config.loader import load_config
-from relaytune.data.prepare import prepare_data
-from relaytune.model import load_tokenizer
-from relaytune.data.packing import best_fit_decreasing, efficiency
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("data", help="check the data and print statistics, without loading the model",
+                              description=DESCRIPTION)
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    from relaytune.config import parse_overrides
+
+    check_data(args.config, parse_overrides(args.overrides))
 
 
 def check_data(config, overrides: dict | None = None) -> dict:
     """Prepare the data as `train` would and print statistics; returns them too."""
+    from relaytune.config import load_config
+    from relaytune.data import prepare_data
+    from relaytune.data.packing import best_fit_decreasing, efficiency
+    from relaytune.model import load_tokenizer
+
     cfg = load_config(config, overrides)
     tokenizer = load_tokenizer(cfg)
     began = time.monotonic()
@@ -39,6 +56,8 @@ def check_data(config, overrides: dict | None = None) -> dict:
 
 def _padded_share(lengths: list[int], micro: int, seed: int) -> float:
     """Real tokens / slots when micro-batches are padded to their longest row (epoch 0's order)."""
+    import numpy as np
+
     order = np.random.default_rng([seed, 0]).permutation(len(lengths))
     arr = np.asarray(lengths)[order]
     slots = sum(int(arr[i:i + micro].max()) * len(arr[i:i + micro]) for i in range(0, len(arr), micro))

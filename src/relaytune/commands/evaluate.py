@@ -1,11 +1,11 @@
 """`relaytune eval RUN_DIR`: eval loss and perplexity of each committed adapter.
 
-The loss is computed exactly as training's `record_eval` does (same rows, masks and
-token weighting: the sum of target-token losses over all rows divided by the number
-of target tokens), so a checkpoint's value matches the `eval_loss` training logged
-at its step.
+The loss is training's own `relaytune.training.evaluation.eval_loss` (same rows, masks
+and token weighting: the sum of target-token losses over all rows divided by the
+number of target tokens), so a checkpoint's value matches the `eval_loss` training
+logged at its step.
 
-Cache: one file, `output_dir/eval_cache.json`, keyed by (adapter sha256 from the
+Cache: one file, `RunDir.eval_cache` (eval_cache.json), keyed by (adapter sha256 from the
 manifest, eval-data fingerprint, device/dtype). Not a file inside each checkpoint:
 committed folders stay exactly as their manifest describes them (the mirror and
 retention treat them as immutable, and a mirrored copy may be read-only), a key by
@@ -16,20 +16,38 @@ step) are evaluated once. Entries of pruned checkpoints are harmless.
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from relaytune import atomic
 from relaytune.errors import UserError
-from relaytune.log import info
-from relaytune.run_dir import load_adapter_slot, put_adapter, run_config, run_dir, select
+from relaytune.log import info, notice, warn
+from relaytune.run_dir import ADAPTER, RunDir, load_adapter_slot, put_adapter, run_config, run_dir, select
 
-CACHE = "eval_cache.json"
+DESCRIPTION = ("Eval loss and perplexity of each committed checkpoint and final/, on the run's eval split or "
+               "a given file, with training's own data pipeline and masks. Cached in RUN_DIR/eval_cache.json "
+               "by adapter content, so a re-run evaluates only new checkpoints.")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("eval", help="eval loss and perplexity of each checkpoint (cached)",
+                              description=DESCRIPTION)
+    p.add_argument("run_dir", help="the run's output_dir")
+    p.add_argument("--checkpoints", help="comma list of step-N, final, best, latest (default: all)")
+    p.add_argument("--data", help="a data file to evaluate on instead of the run's eval split")
+    p.add_argument("--config", help="the run's config file, if no checkpoint holds it")
+    p.add_argument("--no-base", action="store_true", help="leave out the base model (no adapter) row")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    results = evaluate_run(args.run_dir, args.checkpoints, args.data, args.config, include_base=not args.no_base)
+    print(format_table(results))
 
 
 @dataclass
@@ -48,6 +66,8 @@ class EvalResult:
 def evaluate_run(run: str | Path, checkpoints: str | None = None, data: str | None = None,
                  config: str | None = None, include_base: bool = True) -> list[EvalResult]:
     """Evaluate the chosen adapters (default: all committed, and final), using the cache."""
+    from relaytune.training.evaluation import eval_loss  # torch: imported only to evaluate
+
     out = run_dir(run)
     cfg = run_config(out, config)
     refs = select(out, checkpoints)
@@ -72,9 +92,7 @@ def evaluate_run(run: str | Path, checkpoints: str | None = None, data: str | No
             continue
         if model is None:
             model, tokenizer, precision = load_adapter_slot(cfg)
-        if ref is not None and not (ref.path / "adapter_model.safetensors").is_file():
-            from relaytune.log import warn
-
+        if ref is not None and not (ref.path / ADAPTER).is_file():
             warn(f"{ref.name} was removed while evaluating (retention of a running training); skipped")
             continue
         if ref is None:
@@ -96,7 +114,7 @@ def eval_rows(cfg, tokenizer, data: str | None):
     chat template, masks, truncation, packing)."""
     import tempfile
 
-    from relaytune.data.prepare import prepare_data
+    from relaytune.data import prepare_data
 
     if data is None:
         rows = prepare_data(cfg, tokenizer).eval
@@ -128,26 +146,6 @@ def rows_fingerprint(rows) -> str:
     return h.hexdigest()[:16]
 
 
-def eval_loss(model, rows, batch_size: int, pad_id: int, precision) -> tuple[float, int]:
-    """Token-weighted mean loss over `rows`, as training's record_eval computes it."""
-    import torch
-
-    from relaytune.training.loss import causal_lm_loss, supports_chunked_loss
-    from relaytune.data.batches import micro_batches
-
-    autocast = (torch.autocast(precision.device.type, dtype=precision.autocast)
-                if precision.autocast else contextlib.nullcontext())
-    total, count = 0.0, 0
-    model.eval()
-    with torch.no_grad(), autocast:
-        for batch in micro_batches(rows, batch_size, pad_id):
-            batch = {k: v.to(precision.device) for k, v in batch.items()}
-            count += int((batch["labels"][:, 1:] != -100).sum())
-            # num_items=1 makes it the sum over target tokens
-            total += causal_lm_loss(model, batch, 1, chunked=supports_chunked_loss(model)).float().item()
-    return total / max(count, 1), count
-
-
 def format_table(results: list[EvalResult]) -> str:
     """The table `relaytune eval` prints; `*` marks the lowest eval loss among the adapters."""
     adapters = [r for r in results if r.name != "base"]
@@ -167,32 +165,30 @@ def cached_losses(run: Path) -> dict[str, float]:
     """adapter sha256 -> eval loss on the run's eval data, for `status` (any device)."""
     out = {}
     for key, entry in _read_cache(run).items():
-        out.setdefault(key.split("|", 1)[0], entry["eval_loss"])
+        if isinstance(entry, dict) and isinstance(entry.get("eval_loss"), (int, float)):
+            out.setdefault(key.split("|", 1)[0], entry["eval_loss"])
     return out
 
 
 def _read_cache(run: Path) -> dict:
+    path = RunDir(run).eval_cache
     try:
-        data = json.loads((run / CACHE).read_text())
-        return data.get("entries", {}) if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # absent or damaged: only costs a re-evaluation
+        raw = path.read_bytes()
+    except OSError:
+        return {}
+    try:
+        data = json.loads(raw.rstrip(b"\0 \t\r\n") or b"{}")
+    except (ValueError, RecursionError):
+        notice(f"{path} is torn or damaged; ignored it (costs only a re-evaluation)")
+        return {}
+    entries = data.get("entries", {}) if isinstance(data, dict) else {}
+    return entries if isinstance(entries, dict) else {}
 
 
 def _write_cache(run: Path, entries: dict) -> None:
-    tmp = run / f".relaytune-tmp-{CACHE}"
+    path = RunDir(run).eval_cache
     try:
-        tmp.write_text(json.dumps({"version": 1, "entries": entries}, indent=1, sort_keys=True))
-        os.replace(tmp, run / CACHE)
+        atomic.replace_file(path, json.dumps({"version": 1, "entries": entries}, indent=1, sort_keys=True))
     except OSError as e:  # a full or read-only disk costs only the cache, never the results
-        from relaytune.log import warn
-
-        warn(f"cannot write {run / CACHE} ({e.strerror or e}); results are not cached")
-
-
-def main(args) -> None:
-    """`relaytune eval` (see cli.py for the options)."""
-    results = evaluate_run(args.run_dir, args.checkpoints, args.data, args.config,
-                           include_base=not args.no_base)
-    print(format_table(results))
+        warn(f"cannot write {path} ({e.strerror or e}); results are not cached")
 

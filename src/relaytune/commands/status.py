@@ -7,6 +7,8 @@ checkpoint pruned while we look. It writes one thing: the plot PNG. No torch.
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import math
 import os
@@ -14,13 +16,29 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaytune.atomic import read_manifest, verify
-from relaytune.observe.metrics import parse_records
-from relaytune.run_dir import ADAPTER, AdapterRef, newest_state, run_dir, step_checkpoints
-from relaytune.observe.trackers import read_progress
+from relaytune import atomic
+from relaytune.atomic import MANIFEST, read_manifest, verify
+from relaytune.observe.metrics import read_records
+from relaytune.observe.progress import read_progress
+from relaytune.run_dir import ADAPTER, AdapterRef, RunDir, newest_state, run_dir, step_checkpoints
 
-PLOT = "training_plot.png"
 BARS = "▁▂▃▄▅▆▇█"
+DESCRIPTION = ("Where a run stands, from any shell, also while it trains: steps and ETA, checkpoints (size, "
+               "age, eval loss, verified), sessions and how each ended, mirror state; writes a "
+               "loss/learning-rate plot PNG.")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("status", help="progress, ETA, checkpoints, sessions and a plot; works while training",
+                              description=DESCRIPTION)
+    p.add_argument("run_dir", help="the run's output_dir")
+    p.add_argument("--no-verify", action="store_true", help="skip re-hashing checkpoint files (faster)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the plot PNG")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    print(format_status(run_status(args.run_dir, check_files=not args.no_verify, plot=not args.no_plot)))
 
 
 @dataclass
@@ -69,14 +87,16 @@ class RunStatus:
 
 def run_status(run: str | Path, check_files: bool = True, plot: bool = True) -> RunStatus:
     out = run_dir(run)
-    records = parse_records(_read(out / "metrics.jsonl"))
+    layout = RunDir(out)
+    records = read_records(layout.metrics)
     train = [r for r in records if "loss" in r and "event" not in r and isinstance(r.get("step"), int)]
     progress = read_progress(out)
     sessions = read_sessions(out, progress)
     state = newest_state(out) or {}
     total = next((s.total for s in reversed(sessions) if s.total), None) or state.get("total_steps")
-    finished = verify(out / "final") is None if (out / "final").exists() else False
-    step = max([train[-1]["step"] if train else 0] + [s.reached or 0 for s in sessions[-1:]])
+    finished = verify(layout.final) is None if layout.final.exists() else False
+    committed = [ref.step for ref in step_checkpoints(out)]
+    step = newest_step(train, progress, committed + [s.reached or 0 for s in sessions[-1:]])
     if finished:
         run_state = "finished"
         step = total or step
@@ -89,15 +109,38 @@ def run_status(run: str | Path, check_files: bool = True, plot: bool = True) -> 
     st = RunStatus(out, run_state, step, total, _pace(sessions, progress, train),
                    checkpoints(out, records, state, check_files, total), sessions, _mirror(out), records)
     if plot:
-        st.plot = write_plot(records, out / PLOT)
+        config = state.get("config") or {}
+        st.plot = write_plot(records, layout.plot, title=f"{out.name}: step {step} / {total if total else '?'}",
+                             warmup=_warmup(config, total), checkpoints=committed)
     return st
+
+
+def newest_step(train: list[dict], progress: dict, committed: list[int]) -> int:
+    """The furthest step the run is known to have reached: progress.json lags by up to logging_steps,
+    and metrics.jsonl is cut back on a resume, so the newest of those and of the committed
+    checkpoints (and session end records)."""
+    steps = [train[-1]["step"] if train else 0]
+    steps += [e["step"] for e in progress.values() if isinstance(e.get("step"), int)]
+    return max(steps + [s for s in committed if isinstance(s, int)])
+
+
+def _warmup(config: dict, total: int | None) -> int:
+    """Warm-up steps as training computes them (training.optim.warmup_steps), without torch."""
+    try:
+        if (config.get("warmup_steps") or 0) > 0:
+            return int(config["warmup_steps"])
+        return math.ceil(float(config.get("warmup_ratio") or 0) * (total or 0))
+    except (TypeError, ValueError, OverflowError):
+        return 0
 
 
 def read_sessions(out: Path, progress: dict | None = None) -> list[SessionInfo]:
     progress = read_progress(out) if progress is None else progress
     found: dict[int, SessionInfo] = {}
-    for r in parse_records(_read(out / "sessions.jsonl")):
+    for r in read_records(RunDir(out).sessions):
         n = r.get("session")
+        if not isinstance(n, int):
+            continue
         if r.get("event") == "start":
             found[n] = SessionInfo(n, r.get("time"), None, "killed", r.get("from_step", 0), None,
                                 pid=r.get("pid"), total=r.get("total_steps"))
@@ -140,7 +183,8 @@ def _pace(sessions, progress: dict, train: list[dict]) -> float | None:
             return (beat["time"] - beat["first_time"]) / (beat["step"] - beat["first_step"])
     recent = [r for r in train if r.get("tokens_per_second") and r.get("tokens_seen")][-6:]
     if len(recent) >= 2 and recent[-1]["step"] > recent[0]["step"]:
-        tokens_per_step = (recent[-1]["tokens_seen"] - recent[0]["tokens_seen"]) / (recent[-1]["step"] - recent[0]["step"])
+        first, last = recent[0], recent[-1]
+        tokens_per_step = (last["tokens_seen"] - first["tokens_seen"]) / (last["step"] - first["step"])
         rates = sorted(r["tokens_per_second"] for r in recent)
         return tokens_per_step / rates[len(rates) // 2]
     return None
@@ -150,15 +194,17 @@ def checkpoints(out: Path, records: list[dict], state: dict, check_files: bool,
                 total: int | None = None) -> list[CheckpointInfo]:
     from relaytune.commands.evaluate import cached_losses
 
-    evals = {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None and "step" in r}
+    evals = {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None
+             and isinstance(r.get("step"), int)}
     cached = cached_losses(out)
+    layout = RunDir(out)
     best_step = (state.get("counters") or {}).get("best_step")  # the best so far, mid-training
     try:
-        best_step = read_manifest(out / "best").get("step", best_step)  # final word once written
+        best_step = read_manifest(layout.best).get("step", best_step)  # final word once written
     except (OSError, ValueError):
         pass
-    refs = step_checkpoints(out) + [AdapterRef(n, out / n, None) for n in ("best", "final")
-                                    if (out / n / "manifest.json").is_file()]
+    refs = step_checkpoints(out) + [AdapterRef(p.name, p, None) for p in (layout.best, layout.final)
+                                    if (p / MANIFEST).is_file()]
     found, by_sha = [], {}
     for ref in refs:
         try:
@@ -166,30 +212,35 @@ def checkpoints(out: Path, records: list[dict], state: dict, check_files: bool,
             size = sum(f.stat().st_size for f in ref.path.iterdir() if f.is_file())
         except (OSError, ValueError):
             continue  # pruned or being replaced while we looked
-        step = ref.step if ref.step is not None else manifest.get("step", total if ref.name == "final" else None)
+        step = ref.step
+        if step is None:
+            step = manifest.get("step", total if ref.path == layout.final else None)
         sha = manifest.get("files", {}).get(ADAPTER, {}).get("sha256")
         # A checkpoint's loss is training's eval at its step; best/ carries its own; final/ is either
         # a copy of one of those (load_best_model_at_end) or the model evaluated at the last step.
-        loss = evals.get(step) if ref.name.startswith("step-") else manifest.get("eval_loss")
+        loss = evals.get(step) if ref.is_step else manifest.get("eval_loss")
         if loss is None:
             loss = next((v for v in (by_sha.get(sha), evals.get(step), cached.get(sha)) if v is not None), None)
         by_sha.setdefault(sha, loss)
         created = manifest.get("created")
         found.append(CheckpointInfo(ref.name, step, size, time.time() - created if created else None, loss,
                                     verify(ref.path) if check_files else "not verified",
-                                    best=ref.name.startswith("step-") and step == best_step))
+                                    best=ref.is_step and step == best_step))
     return found
 
 
 def _mirror(out: Path) -> dict | None:
     try:
-        data = json.loads((out / "mirror_state.json").read_text())
+        data = json.loads(RunDir(out).mirror_state.read_text())
     except (OSError, ValueError):
         return None
-    from relaytune.checkpoint.mirror import redact  # never print a credential that a URL may carry
+    if not isinstance(data, dict):
+        return None
+    from relaytune.redact import redact_url  # never print a credential that a URL or an error may carry
 
-    if isinstance(data.get("url"), str):
-        data["url"] = redact(data["url"])
+    for key in ("url", "last_error"):
+        if isinstance(data.get(key), str):
+            data[key] = redact_url(data[key])
     return data
 
 
@@ -200,17 +251,35 @@ def sparkline(values: list[float], width: int = 48) -> str:
         return ""
     if len(values) > width:
         n = len(values)
-        values = [sum(values[i * n // width:(i + 1) * n // width]) / max(len(values[i * n // width:(i + 1) * n // width]), 1)
-                  for i in range(width)]
+        slices = [values[i * n // width:(i + 1) * n // width] for i in range(width)]
+        values = [sum(part) / max(len(part), 1) for part in slices]
     lo, hi = min(values), max(values)
     span = hi - lo or 1.0
     return "".join(BARS[min(int((v - lo) / span * len(BARS)), len(BARS) - 1)] for v in values)
 
 
-def write_plot(records: list[dict], path: Path) -> Path | None:
+def write_plot(records: list[dict], path: Path, title: str | None = None, warmup: int = 0,
+               checkpoints: list[int] = ()) -> Path | None:
     """Loss and eval loss over steps, and the learning rate below; None without matplotlib or data."""
-    train = [r for r in records if "loss" in r and "event" not in r and r.get("loss") is not None]
-    evals = [r for r in records if r.get("eval_loss") is not None]
+    fig = plot_figure(records, title, warmup, checkpoints)
+    if fig is None:
+        return None
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    atomic.replace_file(path, png.getvalue())  # a viewer never sees a half-written PNG
+    return path
+
+
+def plot_figure(records: list[dict], title: str | None = None, warmup: int = 0, checkpoints: list[int] = ()):
+    """The plot as a matplotlib Figure (Agg canvas): loss on a log scale with eval loss on top, the
+    learning rate below; warm-up shaded, committed checkpoints as dotted vertical lines (gid
+    "checkpoint"). None without matplotlib or data."""
+    def plottable(r, key):
+        v = r.get(key)
+        return isinstance(r.get("step"), (int, float)) and isinstance(v, (int, float)) and math.isfinite(v)
+
+    train = [r for r in records if "event" not in r and plottable(r, "loss")]
+    evals = [r for r in records if plottable(r, "eval_loss")]
     if not train and not evals:
         return None
     try:
@@ -228,19 +297,27 @@ def write_plot(records: list[dict], path: Path) -> Path | None:
     top.plot([r["step"] for r in train], [r["loss"] for r in train], label="loss", linewidth=1)
     if evals:
         top.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval_loss")
-    top.set_ylabel("loss")
-    top.legend()
-    top.grid(alpha=0.3)
-    lr = [r for r in train if r.get("learning_rate") is not None]
+    losses = [r["loss"] for r in train] + [r["eval_loss"] for r in evals]
+    if all(v > 0 for v in losses):  # a log scale shows the late, small improvements
+        top.set_yscale("log")
+    top.set_ylabel("loss (log scale)" if top.get_yscale() == "log" else "loss")
+    lr = [r for r in train if plottable(r, "learning_rate")]
     bottom.plot([r["step"] for r in lr], [r["learning_rate"] for r in lr], color="tab:green", linewidth=1)
+    for ax in (top, bottom):
+        if warmup > 0:
+            ax.axvspan(0, warmup, color="tab:orange", alpha=0.12, gid="warmup",
+                       label=f"warm-up ({warmup} steps)" if ax is top else None)
+        for n, step in enumerate(sorted(set(checkpoints))):
+            ax.axvline(step, color="grey", linestyle=":", linewidth=0.8, gid="checkpoint",
+                       label="checkpoint" if ax is top and n == 0 else None)
+        ax.grid(alpha=0.3)
+    top.legend()
     bottom.set_ylabel("learning rate")
     bottom.set_xlabel("step")
-    bottom.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(f".relaytune-tmp-{path.name}")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)  # a viewer never sees a half-written PNG
-    return path
+    return fig
 
 
 def format_status(st: RunStatus) -> str:
@@ -274,7 +351,8 @@ def format_status(st: RunStatus) -> str:
     for s in st.sessions:
         reach = f"{s.from_step}->{s.reached if s.reached is not None else '?'}"
         redo = "-" if s.session == st.sessions[0].session else (str(s.recomputed) if s.recomputed is not None else "?")
-        lines.append(f"  {s.session:>3}  {_clock(s.started):<19}  {_clock(s.ended):<19}  {s.how:<16} {reach:<13} {redo}")
+        lines.append(f"  {s.session:>3}  {_clock(s.started):<19}  {_clock(s.ended):<19}  "
+                     f"{s.how:<16} {reach:<13} {redo}")
     if st.mirror:
         m = st.mirror
         lines += ["", f"mirror   {m.get('url')}: last mirrored step {m.get('last_mirrored_step')}, "
@@ -283,13 +361,6 @@ def format_status(st: RunStatus) -> str:
     if st.plot:
         lines += ["", f"plot     {st.plot}"]
     return "\n".join(lines)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError:
-        return ""
 
 
 def _size(n: int) -> str:
@@ -310,7 +381,3 @@ def _duration(s: float | None) -> str:
 def _clock(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
-
-def main(args) -> None:
-    """`relaytune status` (see cli.py for the options)."""
-    print(format_status(run_status(args.run_dir, check_files=not args.no_verify, plot=not args.no_plot)))

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 
-from relaytune.data.prepare import IGNORE, TokenRow
 from relaytune.data.packing import position_ids
+from relaytune.data.rows import IGNORE, TokenRow
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,7 @@ class DataOrder:
         self.global_batch = global_batch
         self.seed = seed
         self.steps_per_epoch = math.ceil(n_rows / global_batch)
+        self._permutations: dict[int, np.ndarray] = {}  # epoch -> row order; the current and the last
 
     def cursor(self, step: int) -> Cursor:
         return Cursor(step // self.steps_per_epoch, step % self.steps_per_epoch)
@@ -46,9 +46,12 @@ class DataOrder:
         perm = self._permutation(c.epoch)
         return perm[c.batch * self.global_batch:(c.batch + 1) * self.global_batch].tolist()
 
-    @lru_cache(maxsize=2)
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+        if epoch not in self._permutations:
+            if len(self._permutations) >= 2:  # a run moves forward: the oldest epoch is done
+                del self._permutations[next(iter(self._permutations))]
+            self._permutations[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+        return self._permutations[epoch]
 
 
 def total_steps(n_rows: int, global_batch: int, num_train_epochs: float, max_steps: int) -> int:
@@ -67,7 +70,8 @@ def collate(rows: list[TokenRow], pad_id: int, flat: bool = False) -> dict[str, 
     """Pad a micro-batch. Packed rows get per-sample position_ids and no attention_mask:
     from those, transformers builds a block-diagonal causal mask (SDPA/eager/flex), so packed
     samples never attend to each other. (It skips that detection when a KV cache is in use:
-    training runs with config.use_cache=False.)
+    training runs with config.use_cache=False.) With `attention: flex` the same position_ids
+    give the document ids (`document_ids`) of one FlexAttention BlockMask per batch instead.
 
     flat=True lays the whole micro-batch out as one row without padding, the only layout in
     which transformers' flash attention switches to varlen (`packing.flat_layout(model)`).
@@ -88,6 +92,14 @@ def collate(rows: list[TokenRow], pad_id: int, flat: bool = False) -> dict[str, 
     for i, r in enumerate(rows):
         mask[i, :len(r.input_ids)] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed sample each position belongs to, from collate's position_ids: a sample starts
+    where its positions restart at 0 (the padding after the last sample is a sample of its own,
+    with no targets). Same shape as position_ids; computed on its device, with no host sync.
+    The document mask of FlexAttention is built from these (`training/speedups.py`)."""
+    return (position_ids == 0).cumsum(-1)
 
 
 def _flat(rows: list[TokenRow]) -> dict[str, torch.Tensor]:

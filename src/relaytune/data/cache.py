@@ -11,9 +11,10 @@ weights can change without tokenizing again.
 Files: tokens.safetensors (flat uint16/int32 ids, the target mask as bits, int64
 row offsets, int32 source index), table.json (bad rows, counts), origins.json
 (file:line of each row, read only for messages) and manifest.json
-(sha256 and size of each, in the checkpoint format, so `checkpoint.verify`
-checks it). Written into a tmp folder, fsynced, renamed; a damaged entry is
-rebuilt; an entry whose key differs explains what changed.
+(sha256 and size of each, in the checkpoint format, so `atomic.verify` checks
+it). Written by `atomic.commit_folder` (tmp folder, fsync, rename; fault points
+`cache:*`); a damaged entry is rebuilt; an entry whose key differs explains what
+changed.
 """
 
 from __future__ import annotations
@@ -21,19 +22,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from relaytune import faults
 from relaytune import atomic
 from relaytune.atomic import MANIFEST, read_manifest, verify
 from relaytune.data.read import source_digest
-from relaytune.log import info, warn
+from relaytune.log import info, notice, warn
 
 VERSION = 3  # bump when tokenization changes in a way the key does not capture
 KEEP = 3  # entries kept: the current one and the two most recently used others
@@ -118,32 +115,66 @@ def cache_key(parts: dict) -> str:
 
 
 def load_or_build(root: Path, parts: dict, build) -> tuple[TokenTable, bool]:
-    """(table, hit): the cached table for `parts`, or a freshly built (and cached) one."""
+    """(table, hit): the cached table for `parts`, or a freshly built (and cached) one.
+
+    Only an entry that `atomic.verify` proves damaged is removed. A folder that cannot be written
+    (a read-only run folder) is no damage: an intact entry is used read-only, and a missing one is
+    tokenized in memory without caching, with a notice."""
     key = cache_key(parts)
     entry = root / key
-    _cleanup(root)
+    try:
+        atomic.clean_tmp(root, quiet=True)  # a kill mid-write leaves only a tmp folder
+    except OSError:
+        pass  # a read-only folder: the tmp entry stays, and is never read
     if entry.is_dir():
+        if not _readable(entry):
+            notice(f"cannot read the data cache {entry} (permissions); tokenizing in memory, leaving it as it is")
+            return _built(build), False
         reason = verify(entry)
         if reason is None:
             try:
                 table = _read(entry)
-                os.utime(entry / MANIFEST)  # marks it recently used, for retention
-                info(f"tokenized data loaded from the cache ({len(table)} rows, {entry})")
-                return table, True
             except Exception as e:  # intact bytes that still do not parse: rebuild as well
                 reason = f"unreadable ({type(e).__name__}: {e})"
+            else:
+                try:
+                    os.utime(entry / MANIFEST)  # marks it recently used, for retention
+                except OSError:
+                    pass  # a read-only run folder: the entry is used as it is
+                info(f"tokenized data loaded from the cache ({len(table)} rows, {entry})")
+                return table, True
         warn(f"the data cache {entry.name} is damaged ({reason}); tokenizing again")
-        _remove(entry)
+        try:
+            atomic.remove_folder(entry)  # known damaged: commit_folder would only set it aside
+        except OSError as e:
+            notice(f"cannot remove the damaged data cache {entry} ({e.strerror or e}); tokenizing in "
+                   "memory without caching")
+            return _built(build), False
     else:
         info(f"tokenizing the data: {why_miss(root, parts)}")
-    table = build()
-    table.meta["digest"] = table.digest()
+    table = _built(build)
     try:
         _write(entry, table, parts)
         _prune(root, keep_name=key)
-    except OSError as e:  # a full disk must not stop training; the next run tokenizes again
-        warn(f"could not write the data cache in {root}: {e}; continuing without it")
+    except OSError as e:  # a full or read-only disk must not stop training; the next run tokenizes again
+        notice(f"could not write the data cache in {root} ({e.strerror or e}); tokenized in memory, "
+               "continuing without the cache")
     return table, False
+
+
+def _built(build) -> TokenTable:
+    table = build()
+    table.meta["digest"] = table.digest()
+    return table
+
+
+def _readable(entry: Path) -> bool:
+    """Whether every file of the entry can be opened for reading (so a failed check means damage)."""
+    try:
+        return os.access(entry, os.R_OK | os.X_OK) and all(
+            os.access(f, os.R_OK) for f in entry.iterdir() if f.is_file())
+    except OSError:
+        return False
 
 
 def why_miss(root: Path, parts: dict) -> str:
@@ -203,56 +234,21 @@ def _read(entry: Path) -> TokenTable:
 def _write(entry: Path, table: TokenTable, parts: dict) -> None:
     from safetensors.numpy import save
 
-    root = entry.parent
-    root.mkdir(parents=True, exist_ok=True)
     files = {
         "tokens.safetensors": save({"ids": table.ids, "mask_bits": np.packbits(table.mask),
                                     "offsets": table.offsets, "source": table.source}),
         "table.json": json.dumps({"parts": parts, "table": table.meta}, sort_keys=True).encode(),
         "origins.json": json.dumps(table.origins, ensure_ascii=False).encode(),
     }
-    tmp = root / f"{atomic.TMP_PREFIX}{entry.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        entries = {name: _write_file(tmp / name, data) for name, data in files.items()}
-        manifest = {"format": atomic.FORMAT, "kind": "data-cache", "version": VERSION, "files": entries,
-                    "created": time.time()}
-        _write_file(tmp / atomic.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        faults.reach("cache:before_rename")
-        if entry.exists():
-            _remove(entry)
-        os.rename(tmp, entry)
-        atomic.fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _write_file(path: Path, data: bytes) -> dict:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-
-
-def _remove(entry: Path) -> None:
-    """Rename first, so a crash mid-delete leaves a tmp folder, not a half entry."""
-    doomed = entry.parent / f"{atomic.TMP_PREFIX}delete-{entry.name}-{uuid.uuid4().hex[:8]}"
-    os.rename(entry, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _cleanup(root: Path) -> None:
-    """Only our own unfinished writes (tmp folders) are removed."""
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(atomic.TMP_PREFIX) and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+    atomic.commit_folder(files, entry, {"kind": "data-cache", "version": VERSION}, points="cache")
 
 
 def _prune(root: Path, keep_name: str) -> None:
     others = [p for p in _entries(root) if p.name != keep_name]
     for p in others[: max(0, len(others) - (KEEP - 1))]:
-        if read_manifest(p).get("kind") == "data-cache":
-            _remove(p)
+        try:
+            ours = read_manifest(p).get("kind") == "data-cache"
+        except (OSError, ValueError):  # a damaged manifest is not proof that the folder is ours to delete
+            continue
+        if ours:
+            atomic.remove_folder(p)

@@ -19,12 +19,19 @@ from dataclasses import dataclass, field
 
 from relaytune.config.datasets import COLUMNS
 
+# Messages per row. Finding which characters a chat template's rendering makes targets renders every
+# prefix of the conversation (any Jinja template, exactly), which is quadratic in the messages: one
+# row of 100k messages took hours. Real conversations stay far below this.
+MAX_MESSAGES = 10_000
+
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
                 "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant"}
 
 
 @dataclass
-class Row:
+class RawRow:
+    """One row as read from a data file or dataset, before any checks."""
+
     origin: str  # "path:line", "path:row N" or "hub-id:row N"
     data: dict = field(default_factory=dict)
     error: str | None = None  # set when the row could not even be read (bad JSON, bad bytes)
@@ -61,7 +68,7 @@ def detect(d: dict, f: Fields) -> str | None:
     return None
 
 
-def parse(row: Row, f: Fields, fmt: str = "auto", hint: str | None = None) -> tuple[str, dict]:
+def parse(row: RawRow, f: Fields, fmt: str = "auto", hint: str | None = None) -> tuple[str, dict]:
     """(format, normalised sample) of a row, or BadRow.
 
     `hint` is the format most rows of the source have: a row that fits no
@@ -81,7 +88,7 @@ def parse(row: Row, f: Fields, fmt: str = "auto", hint: str | None = None) -> tu
     return hint, PARSERS[hint](d, f)  # e.g. "`messages` is missing", as the other rows have it
 
 
-def normalise(row: Row, text_field: str = "text", columns: dict | None = None, fmt: str = "auto") -> dict:
+def normalise(row: RawRow, text_field: str = "text", columns: dict | None = None, fmt: str = "auto") -> dict:
     """The row as one of the three shapes, or BadRow naming what is wrong."""
     return parse(row, Fields(text_field, columns), fmt)[1]
 
@@ -162,6 +169,10 @@ def _messages_list(d: dict, key: str, f: Fields, allow_empty: bool = False) -> l
             raise BadRow(f"`{key}` holds text that is not a valid JSON list ({e.msg})") from None
     if not isinstance(value, list) or (not value and not allow_empty):
         raise BadRow(f"`{key}` must be a non-empty list of messages, got {_kind(value)}")
+    if len(value) > MAX_MESSAGES:
+        raise BadRow(f"`{key}` has {len(value)} messages, more than the {MAX_MESSAGES:,} relaytune takes per "
+                     "row (rendering a chat template costs time quadratic in the messages of a row); "
+                     "split the conversation into several rows")
     out = []
     for i, m in enumerate(value):
         where = f"{key}[{i}]"

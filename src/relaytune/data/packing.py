@@ -6,7 +6,7 @@ taken in an order drawn from the seed, so the result is a pure function of
 (lengths, capacity, seed): a resumed run packs exactly as the first session did.
 
 What keeps samples apart is done elsewhere, from the segment lengths kept here:
-`order.collate` gives each sample its own position_ids (0, 1, ...) and no
+`batches.collate` gives each sample its own position_ids (0, 1, ...) and no
 attention_mask, from which transformers builds a block-diagonal causal mask
 (SDPA, eager, flex) or uses varlen flash attention; and `concat` below takes the
 label off the first token of every sample after the first, because the model's
@@ -19,7 +19,7 @@ import bisect
 
 import numpy as np
 
-IGNORE = -100
+from relaytune.data.rows import IGNORE
 
 
 def best_fit_decreasing(lengths, capacity: int, seed: int) -> list[list[int]]:

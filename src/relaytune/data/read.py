@@ -13,25 +13,66 @@ import csv
 import hashlib
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from relaytune.data.formats import BadRow, Row, normalise  # noqa: F401  (re-exported for callers)
 from relaytune.config.datasets import DatasetSource
+from relaytune.data.formats import RawRow
 from relaytune.errors import UserError
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# A row (a JSONL line, a CSV record) longer than this is quarantined unread: one 50 MB line cost
+# 6.2 GB of memory to parse, render and tokenize. Real rows are far below it (a 128k-token
+# context is about 0.5 MiB of text).
+MAX_ROW_BYTES = 10 * 2**20
 METADATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # not rows
-_loaded: dict[tuple, object] = {}  # datasets loaded this process, so a cache miss loads once
+# `datasets` sources loaded inside the current `one_load_per_source()` block; None outside one.
+_loaded: dict[tuple, object] | None = None
+# Folders a data scan skips: the run's own output_dir when it lies inside a dataset folder.
+_excluded: tuple[Path, ...] = ()
 
 
-def read_rows(source: str | DatasetSource) -> list[Row]:
+@contextmanager
+def excluding(*folders: str | Path) -> Iterator[None]:
+    """Within this block, a dataset folder's scan skips these folders (and what is below them)."""
+    global _excluded
+    before = _excluded
+    _excluded = before + tuple(Path(f).expanduser().resolve() for f in folders)
+    try:
+        yield
+    finally:
+        _excluded = before
+
+
+def _skipped(p: Path) -> bool:
+    resolved = p.resolve()
+    return any(resolved == e or e in resolved.parents for e in _excluded)
+
+
+@contextmanager
+def one_load_per_source() -> Iterator[None]:
+    """Within this block each `datasets` source is loaded once (the cache key and the rows both
+    need it); outside, every read loads afresh, so a long-lived process never sees stale data."""
+    global _loaded
+    if _loaded is not None:  # nested: the outer block's loads count
+        yield
+        return
+    _loaded = {}
+    try:
+        yield
+    finally:
+        _loaded = None
+
+
+def read_rows(source: str | DatasetSource) -> list[RawRow]:
     """All rows of a source, in a stable order."""
     spec = DatasetSource(path=source) if isinstance(source, str) else source
     files = data_files(spec)
     if files is None:
         ds = _load_datasets(spec)
-        return [Row(f"{spec.path}:row {i + 1}", dict(r)) for i, r in enumerate(ds)]
-    rows: list[Row] = []
+        return [RawRow(f"{spec.path}:row {i + 1}", dict(r)) for i, r in enumerate(ds)]
+    rows: list[RawRow] = []
     for f in files:
         rows += read_file(f)
     return rows
@@ -68,16 +109,26 @@ def data_files(spec: DatasetSource) -> list[Path] | None:
             return None  # a Hub-style folder with splits, or datasets' save_to_disk output
         files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()
                        and p.name not in METADATA
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                       and not (_excluded and _skipped(p)))
         if not files:
             raise UserError(f"`dataset`: the folder {path} holds no {'/'.join(SUFFIXES)} files")
         return files
     if spec.path.startswith((".", "/", "~")) or Path(spec.path).suffix in SUFFIXES:
-        raise UserError(f"`dataset`: {spec.path} does not exist")
+        raise UserError(f"`dataset`: {_where(spec.path)} does not exist")
     return None  # a Hub id
 
 
-def read_file(path: Path) -> list[Row]:
+def _where(path: str) -> str:
+    """A path as a message should name it: absolute, and for a relative one, the folder it was
+    resolved against (the working directory: the config resolves its own relative paths earlier)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return str(p)
+    return f"{Path.cwd() / p} ({path!r} is relative: resolved against the working directory {Path.cwd()})"
+
+
+def read_file(path: Path) -> list[RawRow]:
     if path.suffix == ".jsonl":
         return list(_read_jsonl(path))
     if path.suffix == ".json":
@@ -87,10 +138,34 @@ def read_file(path: Path) -> list[Row]:
     return _read_parquet(path)
 
 
+def _lines(fh):
+    """The file's lines; a line longer than MAX_ROW_BYTES is given as None, never held in memory whole."""
+    while True:
+        raw = fh.readline(MAX_ROW_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+            while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass  # skip the rest of the line in bounded pieces
+            yield None
+            continue
+        yield raw
+
+
+def too_long(size: int | None = None) -> str:
+    cap = f"{MAX_ROW_BYTES // 2**20} MiB" if MAX_ROW_BYTES % 2**20 == 0 else f"{MAX_ROW_BYTES:,} bytes"
+    got = f" ({size / 2**20:.1f} MiB)" if size is not None else ""
+    return (f"the row is longer than the {cap} that relaytune reads per row{got}: a cap that keeps one "
+            "huge line from exhausting memory; split it into several rows")
+
+
 def _read_jsonl(path: Path):
     with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
+        for number, raw in enumerate(_lines(fh), start=1):
             origin = f"{path}:{number}"
+            if raw is None or len(raw.rstrip(b"\r\n")) > MAX_ROW_BYTES:
+                yield RawRow(origin, error=too_long())
+                continue
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]  # a UTF-8 byte-order mark, as some editors write
             if not raw.strip():
@@ -98,21 +173,21 @@ def _read_jsonl(path: Path):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield Row(origin, error=f"not UTF-8 (bad byte at column {e.start + 1})")
+                yield RawRow(origin, error=f"not UTF-8 (bad byte at column {e.start + 1})")
                 continue
             try:
                 value = json.loads(text)
             except (json.JSONDecodeError, RecursionError) as e:
                 msg = f"{e.msg}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deep"
-                yield Row(origin, error=f"not valid JSON ({msg})")
+                yield RawRow(origin, error=f"not valid JSON ({msg})")
                 continue
             if isinstance(value, dict):
-                yield Row(origin, value)
+                yield RawRow(origin, value)
             else:
-                yield Row(origin, error=f"not a JSON object (a {type(value).__name__})")
+                yield RawRow(origin, error=f"not a JSON object (a {type(value).__name__})")
 
 
-def _read_json(path: Path) -> list[Row]:
+def _read_json(path: Path) -> list[RawRow]:
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")
@@ -150,15 +225,15 @@ def _element_lines(text: str, n: int) -> list[int]:
     return lines
 
 
-def _row(origin: str, value) -> Row:
+def _row(origin: str, value) -> RawRow:
     if isinstance(value, dict):
-        return Row(origin, value)
-    return Row(origin, error=f"not a JSON object (a {type(value).__name__})")
+        return RawRow(origin, value)
+    return RawRow(origin, error=f"not a JSON object (a {type(value).__name__})")
 
 
-def _read_csv(path: Path) -> list[Row]:
+def _read_csv(path: Path) -> list[RawRow]:
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long texts exceed the 128 KiB default
-    rows: list[Row] = []
+    rows: list[RawRow] = []
     # surrogateescape keeps undecodable bytes visible, so only their rows are rejected
     with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
         reader = csv.reader(fh)
@@ -175,11 +250,13 @@ def _read_csv(path: Path) -> list[Row]:
                 if not any(record):
                     continue
                 if len(record) > len(header):
-                    rows.append(Row(origin, error=f"{len(record)} fields, but the header has {len(header)}"))
+                    rows.append(RawRow(origin, error=f"{len(record)} fields, but the header has {len(header)}"))
+                elif (size := sum(map(len, record))) > MAX_ROW_BYTES:
+                    rows.append(RawRow(origin, error=too_long(size)))
                 elif any(not v.isascii() and _bad_text(v) for v in record):
-                    rows.append(Row(origin, error="not UTF-8 (undecodable bytes)"))
+                    rows.append(RawRow(origin, error="not UTF-8 (undecodable bytes)"))
                 else:  # a short record leaves the missing fields out, so they read as missing
-                    rows.append(Row(origin, dict(zip(header, record))))
+                    rows.append(RawRow(origin, dict(zip(header, record))))
         except csv.Error as e:
             raise UserError(f"{path}:{reader.line_num}: not valid CSV: {e}") from None
     return rows
@@ -193,14 +270,14 @@ def _bad_text(v: str) -> bool:
         return True
 
 
-def _read_parquet(path: Path) -> list[Row]:
+def _read_parquet(path: Path) -> list[RawRow]:
     try:
         import pyarrow.parquet as pq
         table = pq.read_table(path)
         records = table.to_pylist()
     except Exception as e:  # pyarrow raises its own error types for malformed files
         raise UserError(f"{path}: cannot read as parquet: {e}") from None
-    return [Row(f"{path}:row {i + 1}", r) for i, r in enumerate(records)]
+    return [RawRow(f"{path}:row {i + 1}", r) for i, r in enumerate(records)]
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -213,7 +290,7 @@ def _load_datasets(spec: DatasetSource):
     if split is None and not Path(name).expanduser().exists() and ":" in name:
         name, _, split = name.partition(":")  # the short form "org/name:split"
     key = (name, split, spec.subset)
-    if key in _loaded:
+    if _loaded is not None and key in _loaded:
         return _loaded[key]
     try:
         import datasets
@@ -234,5 +311,6 @@ def _load_datasets(spec: DatasetSource):
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"`dataset`: {spec.path} is neither a data file nor a loadable dataset: "
                         f"{first}") from None
-    _loaded[key] = ds
+    if _loaded is not None:
+        _loaded[key] = ds
     return ds

@@ -12,24 +12,38 @@ transformers is paid once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from relaytune.data.formats import BadRow
+from relaytune.data.rows import IGNORE
 from relaytune.data.templates import Renderer, Template
 
-IGNORE = -100
 CHUNK = 4096  # rows tokenized per batch: bounds memory, keeps the batch path fast
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """How every sample of one call is tokenized."""
+
+    tokenizer: object
+    renderer: Renderer | None  # None: the plain "### Role:" format
+    eos: list[int]  # appended after text, completions and plain-format replies
+    train_on_inputs: bool
 
 
 def tokenize_samples(samples: list[dict], tokenizer, template: Template, train_on_inputs: bool):
     """Yield, for each sample in order, (ids, labels) as int32 arrays, or a BadRow."""
     renderer = Renderer(template, tokenizer) if template.text is not None else None
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    setup = _Setup(tokenizer, renderer, eos, train_on_inputs)
     for start in range(0, len(samples), CHUNK):
-        yield from _chunk(samples[start:start + CHUNK], tokenizer, renderer, eos, train_on_inputs)
+        yield from _chunk(samples[start:start + CHUNK], setup)
 
 
-def _chunk(samples, tokenizer, renderer, eos, train_on_inputs):
+def _chunk(samples, setup: _Setup):
+    tokenizer, renderer, eos, train_on_inputs = setup.tokenizer, setup.renderer, setup.eos, setup.train_on_inputs
     out: list = [None] * len(samples)
     chats, texts, pcs, plains = [], [], [], []
     for k, s in enumerate(samples):
@@ -47,7 +61,7 @@ def _chunk(samples, tokenizer, renderer, eos, train_on_inputs):
         else:
             texts.append(k)
     if chats:
-        _chat(chats, tokenizer, train_on_inputs, out)
+        _chat(chats, setup, out)
     if texts:
         for k, ids in zip(texts, _encode(tokenizer, [samples[k]["text"] for k in texts], True)):
             ids = ids + eos
@@ -59,7 +73,7 @@ def _chunk(samples, tokenizer, renderer, eos, train_on_inputs):
             ids = p + c + eos
             out[k] = (ids, ids if train_on_inputs else [IGNORE] * len(p) + c + eos)
     if plains:
-        _plain([(k, samples[k]) for k in plains], tokenizer, eos, train_on_inputs, out)
+        _plain([(k, samples[k]) for k in plains], setup, out)
     for item in out:
         if isinstance(item, BadRow):
             yield item
@@ -67,13 +81,14 @@ def _chunk(samples, tokenizer, renderer, eos, train_on_inputs):
             yield np.asarray(item[0], dtype=np.int32), np.asarray(item[1], dtype=np.int32)
 
 
-def _chat(chats, tokenizer, train_on_inputs, out):
+def _chat(chats, setup: _Setup, out):
+    tokenizer, train_on_inputs = setup.tokenizer, setup.train_on_inputs
     texts = [t for _, t, _ in chats]
     try:
         enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     except NotImplementedError:  # a slow (Python) tokenizer has no offsets: encode piece by piece
         for k, text, spans in chats:
-            out[k] = _pieces_by_span(tokenizer, text, spans, train_on_inputs)
+            out[k] = _pieces_by_span(text, spans, setup)
         return
     for (k, _, spans), ids, offsets in zip(chats, enc["input_ids"], enc["offset_mapping"]):
         ids = np.asarray(ids, dtype=np.int32)
@@ -89,7 +104,8 @@ def _chat(chats, tokenizer, train_on_inputs, out):
         out[k] = (ids, np.where(inside, ids, IGNORE))
 
 
-def _pieces_by_span(tokenizer, text, spans, train_on_inputs):
+def _pieces_by_span(text, spans, setup: _Setup):
+    tokenizer, train_on_inputs = setup.tokenizer, setup.train_on_inputs
     ids, labels, pos = [], [], 0
     for s, e in spans + [(len(text), len(text))]:
         for piece, target in ((text[pos:s], False), (text[s:e], True)):
@@ -101,8 +117,9 @@ def _pieces_by_span(tokenizer, text, spans, train_on_inputs):
     return ids, labels
 
 
-def _plain(items, tokenizer, eos, train_on_inputs, out):
+def _plain(items, setup: _Setup, out):
     """Base models without a template: "### Role:\\n" + content + "\\n\\n", eos after replies."""
+    tokenizer, eos, train_on_inputs = setup.tokenizer, setup.eos, setup.train_on_inputs
     pieces = []
     for _, s in items:
         for m in s["messages"]:

@@ -13,13 +13,16 @@ import os
 import time
 from pathlib import Path
 
+from relaytune import atomic
+
 
 class MetricsLog:
     """The log file, plus optional sinks (trackers) that see every record written.
 
     A sink has `log(record)` and `rewind(step)`; `rewind` is called when the log is
     reset to an earlier checkpoint's copy, so a tracker can drop what comes after it.
-    A failing sink is warned about once and never stops training.
+    Sinks must not raise: `observe.trackers.Trackers` is the sink that wraps the
+    trackers and isolates their failures.
     """
 
     def __init__(self, path: Path, sinks: list | None = None):
@@ -28,43 +31,28 @@ class MetricsLog:
         self._behind = False  # the file lacks records that a disk error kept from it
         self._warned = False
         self.sinks = list(sinks or [])
-        self._sink_failed: set[int] = set()
 
     def add_sink(self, sink) -> None:
         self.sinks.append(sink)
 
-    def _fan_out(self, method: str, arg) -> None:
-        for sink in self.sinks:
-            try:
-                getattr(sink, method)(arg)
-            except Exception as e:  # a tracker must never stop training
-                if id(sink) not in self._sink_failed:
-                    self._sink_failed.add(id(sink))
-                    from relaytune.log import warn
-
-                    warn(f"{type(sink).__name__}.{method} failed ({type(e).__name__}: {e}); "
-                         "metrics.jsonl is unaffected, training continues")
-
     def text(self) -> str:
-        """The log as it should stand (kept in memory, so a full disk cannot make it lose lines)."""
+        """The log as it should stand (kept in memory, so a full disk cannot make it lose lines).
+
+        A torn tail on disk (a kill mid-append, NUL padding after a crash) is dropped with a
+        notice, and the next write rewrites the file without it instead of appending to it."""
         if self._lines is None:
-            self._lines = (self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-                           if self.path.exists() else [])
+            raw = self.path.read_bytes() if self.path.exists() else b""
+            self._lines, torn = clean_lines(raw, self.path)
+            self._behind = self._behind or torn
         return "".join(self._lines)
 
     def _rewrite(self) -> None:
         """Replace the file with the in-memory log; on a disk error, try again at the next write."""
-        tmp = self.path.with_name(f".relaytune-tmp-{self.path.name}")
         try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write("".join(self._lines or []))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
+            atomic.replace_file(self.path, "".join(self._lines or []))
             self._behind = False
         except OSError as e:
             self._behind = True
-            tmp.unlink(missing_ok=True)
             self._warn_once(e)
 
     def _warn_once(self, e: OSError) -> None:
@@ -76,11 +64,12 @@ class MetricsLog:
                  "written once the disk allows")
 
     def reset_to(self, text: str) -> None:
-        self._lines = text.splitlines(keepends=True)
+        self._lines, _ = clean_lines(text.encode("utf-8"), self.path)
         self._rewrite()
         if self.sinks:
             steps = [r["step"] for r in parse_records(text) if isinstance(r.get("step"), int)]
-            self._fan_out("rewind", max(steps, default=0))
+            for sink in self.sinks:
+                sink.rewind(max(steps, default=0))
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
@@ -97,28 +86,69 @@ class MetricsLog:
             except OSError as e:
                 self._behind = True
                 self._warn_once(e)
-        if self.sinks:
-            self._fan_out("log", clean)
+        for sink in self.sinks:
+            sink.log(clean)
+
+
+def _record(line: bytes) -> dict | None:
+    """The JSON object on one line, or None if the line holds none (torn, NUL bytes, not JSON)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def clean_lines(raw: bytes, path: Path | str | None = None) -> tuple[list[str], bool]:
+    """The good lines of a JSONL file's bytes, each ending in a newline, and whether any were dropped.
+
+    A line that holds no JSON object (a truncated last line from a kill mid-write, the NUL
+    padding a crashed filesystem leaves, a damaged line) is dropped, with a notice naming the
+    file and the line when `path` is given. Blank lines are dropped silently.
+    """
+    lines, dropped = [], []
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip(b" \t\r\0"):
+            if line.strip(b" \t\r"):  # NUL padding only
+                dropped.append(number)
+            continue
+        if _record(line) is None:
+            dropped.append(number)
+            continue
+        lines.append(line.rstrip(b"\r").decode("utf-8") + "\n")
+    if dropped and path is not None:
+        from relaytune.log import notice
+
+        where = f"line {dropped[0]}" if len(dropped) == 1 else f"lines {', '.join(map(str, dropped[:5]))}" + \
+            (" ..." if len(dropped) > 5 else "")
+        notice(f"{path}: {where} is torn or damaged (a write cut short by a kill or a crash); ignored it")
+    return lines, bool(dropped)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every record of a JSONL file that relaytune writes; a torn tail is dropped with a notice."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        from relaytune.log import notice
+
+        notice(f"cannot read {path} ({e.strerror or e}); ignored it")
+        return []
+    return [json.loads(line) for line in clean_lines(raw, path)[0]]
 
 
 def read_metrics(path: Path) -> list[dict]:
-    out = []
-    if Path(path).exists():
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                out.append(json.loads(line))
-    return out
+    return read_records(path)
 
 
 def parse_records(text: str) -> list[dict]:
     """Records of a log text, skipping a torn last line (the file may be mid-append)."""
     out = []
     for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
+        record = _record(line.encode("utf-8", "surrogatepass"))
+        if record is not None:
             out.append(record)
     return out
 
@@ -129,12 +159,22 @@ class SessionLog:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.session = sum(1 for r in read_metrics(self.path) if r.get("event") == "start") + 1
+        raw = self.path.read_bytes() if self.path.is_file() else b""
+        lines, torn = clean_lines(raw, self.path)
+        self.session = sum(1 for line in lines if json.loads(line).get("event") == "start") + 1
+        if torn:  # rewrite without the torn bytes, so the next record does not glue onto them
+            try:
+                atomic.replace_file(self.path, "".join(lines))
+            except OSError:
+                pass  # _append starts on a new line instead
 
     def _append(self, record: dict) -> None:
         try:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"session": self.session, "time": time.time(), **record}) + "\n")
+            with open(self.path, "ab") as fh:
+                line = json.dumps({"session": self.session, "time": time.time(), **record}) + "\n"
+                if fh.tell() and not _ends_with_newline(self.path):
+                    line = "\n" + line
+                fh.write(line.encode("utf-8"))
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError:
@@ -145,3 +185,9 @@ class SessionLog:
 
     def end(self, how: str, at_step: int) -> None:
         self._append({"event": "end", "how": how, "at_step": at_step})
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"

@@ -14,8 +14,8 @@ about to be recomputed. So:
     loses what a tracker had not uploaded yet).
 A tracker that is new to the run is back-filled from metrics.jsonl. A tracker
 that fails to import, connect or log is warned about once and then ignored:
-training never stops for it. `Heartbeat` (always on) records each session's
-furthest step and its pace in progress.json, for `relaytune status`.
+training never stops for it. `Trackers` is the one place that isolates their
+errors. `Heartbeat` (observe/progress.py, always on) is one of the sinks.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ import math
 import os
 import re
 import secrets
-import time
 from pathlib import Path
 
+from relaytune import atomic
 from relaytune.log import warn
 from relaytune.observe.metrics import parse_records
+from relaytune.observe.progress import Heartbeat
+from relaytune.run_dir import RunDir, read_text_or_empty
 
 TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "epoch", "tokens_seen", "tokens_per_second")
-PROGRESS = "progress.json"
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -58,7 +59,8 @@ def tracker_names(cfg) -> list[str]:
 
 
 class Trackers:
-    """The sink MetricsLog fans out to; one failing tracker never affects another."""
+    """The sink MetricsLog fans out to. A tracker that fails is warned about once and never
+    stops training or affects another tracker."""
 
     def __init__(self, sinks: list):
         self.sinks = sinks
@@ -88,7 +90,8 @@ class Trackers:
 def open_trackers(cfg, out: Path, start_step: int, session: int | None = None) -> Trackers:
     """Call after metrics.jsonl was reset to the resumed checkpoint's copy (or emptied)."""
     out = Path(out)
-    history = [r for r in parse_records(_read(out / "metrics.jsonl")) if r.get("step", 0) <= start_step]
+    history = [r for r in parse_records(read_text_or_empty(RunDir(out).metrics))
+               if isinstance(r.get("step"), int) and r["step"] <= start_step]
     sinks: list = [Heartbeat(out, start_step, session)]
     for name in tracker_names(cfg):
         try:
@@ -98,13 +101,6 @@ def open_trackers(cfg, out: Path, start_step: int, session: int | None = None) -
             warn(f"report_to {name}: not available{hint}: {type(e).__name__}: {e}. "
                  "Training continues; metrics.jsonl has every point")
     return Trackers(sinks)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError:
-        return ""
 
 
 def public_config(cfg) -> dict:
@@ -121,7 +117,7 @@ def public_config(cfg) -> dict:
 
 
 def _run_state(out: Path, name: str) -> tuple[Path, dict | None]:
-    path = out / f"{name}_run.json"
+    path = RunDir(out).tracker_state(name)
     try:
         return path, json.loads(path.read_text())
     except (OSError, ValueError):
@@ -129,9 +125,7 @@ def _run_state(out: Path, name: str) -> tuple[Path, dict | None]:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".relaytune-tmp-{path.name}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic.replace_file(path, json.dumps(data, indent=1))
 
 
 class TensorBoard:
@@ -139,7 +133,7 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self._writer_class = SummaryWriter
-        self.dir = out / "tensorboard"
+        self.dir = RunDir(out).tensorboard
         existing = self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*"))
         self.writer = self._open(start_step if existing else None)
         if not existing:
@@ -181,7 +175,7 @@ class Wandb:
             self.run = wandb.init(**kwargs)
         except Exception as e:  # no network or no login: keep the points offline, sync later
             warn(f"wandb could not start online ({type(e).__name__}: {e}); logging offline into "
-                 f"{out / 'wandb'}; upload later with `wandb sync`")
+                 f"{RunDir(out).wandb}; upload later with `wandb sync`")
             self.run = wandb.init(mode="offline", **kwargs)
         # A resumed online run starts at the server's next step; anything below is already there.
         # What the server lacks up to the checkpoint is sent again from metrics.jsonl: a SIGKILL
@@ -207,7 +201,7 @@ class MLflow:
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())  # beside the run, not in the cwd
+            mlflow.set_tracking_uri(RunDir(out).mlruns.resolve().as_uri())  # beside the run, not in the cwd
         self.mlflow = mlflow
         state_path, state = _run_state(out, "mlflow")
         if state:  # mlflow keeps every value it is given, so skip the steps the run already holds
@@ -264,44 +258,3 @@ class Trackio:
 
 
 OPENERS = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": MLflow, "trackio": Trackio}
-
-
-class Heartbeat:
-    """progress.json: per session, the furthest step reached and when, for `status`.
-
-    metrics.jsonl cannot tell this after a kill (a resume cuts it back to the
-    checkpoint), and it is what "steps recomputed after an interruption" needs.
-    """
-
-    def __init__(self, out: Path, start_step: int, session: int | None):
-        self.path = Path(out) / PROGRESS
-        self.key = str(session if session is not None else f"pid-{os.getpid()}")
-        self.entry = {"pid": os.getpid(), "from_step": start_step, "first_step": None, "first_time": None,
-                      "step": start_step, "time": time.time()}
-
-    def log(self, record: dict) -> None:
-        if "loss" not in record or "event" in record or not isinstance(record.get("step"), int):
-            return
-        now, e = time.time(), self.entry
-        if e["first_time"] is None:
-            e["first_step"], e["first_time"] = record["step"], now
-        e["step"], e["time"] = max(e["step"], record["step"]), now
-        if "tokens_seen" in record:
-            e["tokens_seen"] = record["tokens_seen"]
-        data = read_progress(self.path.parent)
-        data[self.key] = e
-        _write_json(self.path, data)
-
-    def rewind(self, step: int) -> None:
-        pass  # the furthest step stays: it is what was computed
-
-    def close(self) -> None:
-        pass
-
-
-def read_progress(out: Path) -> dict:
-    try:
-        data = json.loads((Path(out) / PROGRESS).read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}

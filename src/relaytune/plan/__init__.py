@@ -8,8 +8,17 @@ trainer can ask the same questions (`largest_micro_batch`, `checkpointing_off`) 
     print(format_plan(make_plan(cfg, parse_gpu("T4"))))
 """
 
-from relaytune.plan.advice import (FITS, NO_FIT, TIGHT, Change, CheckpointingOff, changes_when_nothing_fits,
-                                   checkpointing_off, fit_status, largest_micro_batch)
+from relaytune.plan.advice import (
+                                   FITS,
+                                   NO_FIT,
+                                   TIGHT,
+                                   Change,
+                                   CheckpointingOff,
+                                   changes_when_nothing_fits,
+                                   checkpointing_off,
+                                   fit_status,
+                                   largest_micro_batch,
+)
 from relaytune.plan.architectures import Architecture, known_ids
 from relaytune.plan.gpus import Gpu, parse_gpu
 from relaytune.plan.memory import GIB, MemoryEstimate, Settings, estimate_memory

@@ -6,12 +6,24 @@ import math
 from dataclasses import dataclass, field
 
 from relaytune.errors import UserError
-from relaytune.plan.advice import (Change, CheckpointingOff, changes_when_nothing_fits, checkpointing_off,
-                                   fit_status, largest_micro_batch)
+from relaytune.plan.advice import (
+    Change,
+    CheckpointingOff,
+    changes_when_nothing_fits,
+    checkpointing_off,
+    fit_status,
+    largest_micro_batch,
+)
 from relaytune.plan.architectures import Architecture
 from relaytune.plan.gpus import Gpu
-from relaytune.plan.memory import (MemoryEstimate, Settings, estimate_memory, lora_tensor_sizes, optimizer_bytes,
-                                   uses_chunked_loss)
+from relaytune.plan.memory import (
+    MemoryEstimate,
+    Settings,
+    estimate_memory,
+    lora_tensor_sizes,
+    optimizer_bytes,
+    uses_chunked_loss,
+)
 from relaytune.plan.sources import resolve_architecture
 from relaytune.plan.throughput import Eta, Throughput, estimate_eta, estimate_throughput
 

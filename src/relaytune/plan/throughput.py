@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 from relaytune.plan.architectures import Architecture, from_table
-from relaytune.plan.gpus import TABLE as GPUS, Gpu
+from relaytune.plan.gpus import TABLE as GPUS
+from relaytune.plan.gpus import Gpu
 from relaytune.plan.memory import uses_chunked_loss
 
 H200_TFLOPS = GPUS["H200"].tflops
