@@ -25,8 +25,11 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from relaytune import faults
 from relaytune.log import info, warn
@@ -36,6 +39,48 @@ MANIFEST = "manifest.json"
 FORMAT = "relaytune-checkpoint/1"
 
 FileBytes = bytes | Callable[[], bytes]
+
+
+class FileEntry(BaseModel):
+    """One file of a committed folder: exactly its sha256 and size, nothing else."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    sha256: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+    size: Annotated[StrictInt, Field(ge=0)]
+
+
+class Manifest(BaseModel):
+    """The exact shape of `manifest.json`. Writers add their own keys (`step`, `kind`, `config_hash`,
+    `versions`, `eval_loss`, `version`): those are allowed, and typed where they are known."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    format: Literal["relaytune-checkpoint/1"]
+    files: dict[StrictStr, FileEntry]
+    created: StrictFloat | StrictInt
+    step: Annotated[StrictInt, Field(ge=0)] | None = None
+    kind: StrictStr | None = None
+    config_hash: StrictStr | None = None
+    versions: dict[StrictStr, StrictStr] | None = None
+    eval_loss: StrictFloat | StrictInt | None = None
+
+
+def parse_manifest(raw: bytes | str) -> Manifest:
+    """The manifest, checked against its exact shape; ValueError (never anything else) if it is not one."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: a deeply nested (hostile) document
+        raise ValueError(f"not JSON ({str(e)[:80]})") from None
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "top level"
+        raise ValueError(f"{where}: {err['msg']}") from None
+    for name in manifest.files:
+        if name in ("", ".", "..", MANIFEST) or name.startswith("/") or ".." in name.split("/") or "\\" in name \
+                or "\0" in name:
+            raise ValueError(f"files: {name!r} is not a file name of this folder")
+    return manifest
 
 
 def fsync_dir(path: Path) -> None:
@@ -121,12 +166,21 @@ def publish(tmp: Path, target: Path) -> None:
     fsync_dir(Path(target).parent)
 
 
-def set_aside(path: Path) -> Path:
-    """A folder where a new commit must go: keep it under another name, never delete it."""
-    kind = "replaced" if verify(path) is None else "invalid"
+def set_aside(path: Path, kind: str | None = None, reason: str | None = None) -> Path:
+    """Keep a folder under another name, never delete it: one where a new commit must go
+    (`replaced` or `invalid`), or (with `reason`) one that turned out damaged when read."""
+    kind = kind or ("replaced" if verify(path) is None else "invalid")
     aside = path.with_name(f"{path.name}.{kind}-{int(time.time())}")
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.{kind}-{int(time.time())}-{n}")
+        n += 1
     os.rename(path, aside)
-    warn(f"{path} already existed ({kind}); kept it as {aside.name} and wrote a new one")
+    fsync_dir(path.parent)
+    if reason is None:
+        warn(f"{path} already existed ({kind}); kept it as {aside.name} and wrote a new one")
+    else:
+        warn(f"{path.name} cannot be restored ({reason}); kept it aside as {aside.name}")
     return aside
 
 
@@ -153,27 +207,39 @@ def clean_tmp(parent: Path, quiet: bool = False) -> None:
 
 
 def verify(path: Path) -> str | None:
-    """None if `path` is a committed, intact folder; otherwise why not."""
-    mpath = Path(path) / MANIFEST
+    """None if `path` is a committed, intact folder; otherwise why not. Never raises."""
+    try:
+        return _problem(Path(path))
+    except Exception as e:  # an unreadable file, a folder that vanished meanwhile: not intact
+        return f"unreadable ({type(e).__name__}: {str(e)[:120]})"
+
+
+def _problem(path: Path) -> str | None:
+    mpath = path / MANIFEST
     if not mpath.is_file():
         return "no manifest (an unfinished or foreign folder)"
+    raw = mpath.read_bytes()
     try:
-        manifest = json.loads(mpath.read_text())
-        entries = manifest["files"]
-    except (ValueError, KeyError, TypeError):
+        json.loads(raw)
+    except (ValueError, RecursionError):
         return "unreadable manifest"
-    if manifest.get("format") != FORMAT:
-        return f"unknown format {manifest.get('format')!r}"
-    for name, entry in entries.items():
-        f = Path(path) / name
-        if not f.is_file():
+    try:
+        manifest = parse_manifest(raw)
+    except ValueError as e:
+        if isinstance(json.loads(raw), dict) and json.loads(raw).get("format") not in (FORMAT, None):
+            return f"unknown format {json.loads(raw).get('format')!r}"
+        return f"malformed manifest ({e})"
+    for name, entry in manifest.files.items():
+        f = path / name
+        if not f.is_file() or f.is_symlink():
             return f"missing file {name}"
-        if f.stat().st_size != entry["size"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
-        if sha256_file(f) != entry["sha256"]:
+        if f.stat().st_size != entry.size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry.size}"
+        if sha256_file(f) != entry.sha256:
             return f"{name} does not match its sha256 (corrupted)"
     return None
 
 
 def read_manifest(path: Path) -> dict:
-    return json.loads((Path(path) / MANIFEST).read_text())
+    """The manifest as a dict, checked against its exact shape (ValueError if it has another)."""
+    return parse_manifest((Path(path) / MANIFEST).read_bytes()).model_dump(exclude_none=True)

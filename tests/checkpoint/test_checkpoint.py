@@ -18,12 +18,11 @@ import pytest
 from conftest import chat_rows, make_config, step_records, write_jsonl
 
 from relaytune import atomic, faults
-
 from relaytune.atomic import MANIFEST, TMP_PREFIX, commit_folder, verify
 from relaytune.checkpoint.store import CheckpointStore
 
 FILES = {"adapter_model.safetensors": b"\x00\x01weights" * 100, "trainer_state.json": b'{"step": 1}',
-         "rng.safetensors": b"rng" * 33}
+         "rng.safetensors": b"rng" * 33, "adapter_config.json": b"{}", "metrics.jsonl": b""}
 
 
 def sha(path: Path) -> str:
@@ -284,8 +283,8 @@ def test_retention_never_deletes_the_newest_valid_checkpoint_for_a_corrupted_new
                                                                                          tmp_path):
     """save_total_limit 1; step-8 got corrupted, so the run resumed from step-4 and (save_steps lowered
     to 3, a harmless change) commits step-6. Retention must leave a valid checkpoint to resume from."""
-    from relaytune.config.schema import TrainConfig
     from relaytune.checkpoint.saver import Saver
+    from relaytune.config.schema import TrainConfig
 
     for step in (4, 8):
         store.save(FILES, step, {})

@@ -8,8 +8,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import make_config
+
 from relaytune.atomic import TMP_PREFIX, verify
 
 ENOSPC, EIO = 28, 5
@@ -24,7 +24,8 @@ POINTS = ["save:begin", "save:mid_file", "save:before_manifest", "save:after_man
 
 @pytest.mark.parametrize("point,err", [(p, ENOSPC) for p in POINTS] + [("save:mid_file", EIO)] +
                          [pytest.param(p, EIO, marks=pytest.mark.slow) for p in POINTS if p != "save:mid_file"])
-def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(point, err, tmp_path, tiny_model, dropout_reference, fork_cli):
+def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(point, err, tmp_path, tiny_model,
+                                                                    dropout_reference, fork_cli):
     data, ref = dropout_reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1)
     run = tmp_path / "run"
@@ -68,7 +69,8 @@ def small_fs(tmp_path):
 
 @pytest.mark.parametrize("point,nth", [("save:begin", 2), ("save:mid_file", 9),
                                        ("save:before_manifest", 2), ("save:before_rename", 2)])
-def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path, tiny_model, dropout_reference, fork_cli):
+def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path, tiny_model, dropout_reference,
+                                                 fork_cli):
     data, ref = dropout_reference
     cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_total_limit=1,
                       output_dir=str(small_fs / "run"))

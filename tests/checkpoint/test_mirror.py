@@ -7,12 +7,10 @@ import shutil
 import socket
 
 import pytest
-
 from conftest import make_config
+
 from relaytune.atomic import MANIFEST
 from relaytune.checkpoint.mirror import redact
-
-
 
 
 def test_redact_hides_credentials_and_queries():

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from relaytune.config.loader import load_config
-from relaytune.training.environment import platform, storage_warnings, time_budget
 from relaytune.errors import UserError
+from relaytune.training.environment import platform, storage_warnings, time_budget
 
 NOW = 1_800_000_000.0
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import make_config
 
 import relaytune
-from conftest import make_config
 from relaytune.atomic import verify
 from relaytune.errors import StoppedEarly
 from relaytune.observe.metrics import read_metrics
@@ -99,7 +99,8 @@ def test_time_limit_stops_before_the_limit_with_a_checkpoint(tmp_path, tiny_mode
     assert int(step_dirs[0].name[5:]) == end["at_step"] > 0
 
 
-def test_python_api_interrupt_raises_stopped_early_with_the_checkpoint(tmp_path, tiny_model, chat_data, monkeypatch, one_thread):
+def test_python_api_interrupt_raises_stopped_early_with_the_checkpoint(tmp_path, tiny_model, chat_data, monkeypatch,
+                                                                     one_thread):
     monkeypatch.setenv("RELAYTUNE_SLOW_STEP", "0.02")
     cfg = make_config(tmp_path, tiny_model, chat_data, max_steps=100_000, save_steps=100_000)
     run = tmp_path / "run"

@@ -9,11 +9,11 @@ import weakref
 
 import pytest
 import torch
+from conftest import make_config
 from safetensors.torch import load_file
 
 import relaytune
 import relaytune.training.trainer as trainer_module
-from conftest import make_config
 from relaytune.errors import StoppedEarly
 from relaytune.observe.metrics import read_metrics
 

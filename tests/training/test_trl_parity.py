@@ -36,10 +36,9 @@ from conftest import chat_rows, make_config, step_records, write_jsonl
 from safetensors.torch import load_file
 
 from relaytune.config.loader import load_config
+from relaytune.data.batches import DataOrder
 from relaytune.data.prepare import prepare_data
 from relaytune.model import choose_precision, load_model, load_tokenizer
-from relaytune.data.batches import DataOrder
-
 from relaytune.training import recipe as loop
 from relaytune.training import trainer as trainer_module
 

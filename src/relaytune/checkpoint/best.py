@@ -20,8 +20,8 @@ import shutil
 from pathlib import Path
 
 from relaytune.atomic import TMP_PREFIX, commit_folder, read_manifest, verify
-from relaytune.log import info, warn
 from relaytune.checkpoint.state import TrainState, adapter_files
+from relaytune.log import info, warn
 from relaytune.run_dir import ADAPTER, ADAPTER_CONFIG, RunDir
 
 

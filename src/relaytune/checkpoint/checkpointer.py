@@ -18,15 +18,18 @@ import json
 from pathlib import Path
 
 from relaytune import atomic
+from relaytune.checkpoint import load as loading
 from relaytune.checkpoint import state as saved
 from relaytune.checkpoint.best import keep_best
+from relaytune.checkpoint.load import Damaged, Loaded
 from relaytune.checkpoint.mirror import Mirror
 from relaytune.checkpoint.resume import choose_checkpoint
 from relaytune.checkpoint.saver import Saver
 from relaytune.checkpoint.state import Live, TrainState
-from relaytune.checkpoint.store import CheckpointStore
+from relaytune.checkpoint.store import CheckpointStore, verify_checkpoint
 from relaytune.config import TrainConfig
-from relaytune.errors import StoppedEarly
+from relaytune.errors import StoppedEarly, UserError
+from relaytune.log import info, warn
 from relaytune.run_dir import RunDir
 
 MAX_FAILED_SAVES = 3  # failed saves in a row before the run stops (exit 75) rather than train unsaved
@@ -53,15 +56,46 @@ class Checkpointer:
             self._mirror.restore_newer(self._store.root, local_newest)
         return choose_checkpoint(self._cfg, self._store, fresh)
 
-    def rollback_point(self) -> Path | None:
-        """The newest committed checkpoint, for a rollback after repeated non-finite steps."""
-        return self._store.latest_valid()[1]
+    def rollback_point(self, before: int | None = None) -> Path | None:
+        """The newest committed checkpoint (older than step `before`, if given), for a rollback
+        after repeated non-finite steps."""
+        for step, path in reversed(self._store.step_dirs()):
+            if (before is None or step < before) and verify_checkpoint(path) is None:
+                return path
+        return None
 
-    def restore(self, source: Path | dict, live: Live) -> dict:
-        state = saved.restore(source, live)
-        best = saved.progress_of(state).best_step
+    def load(self, path: Path | None) -> Loaded | None:
+        """Read and parse a checkpoint before anything live is touched; a damaged one is set aside
+        (with the reason) and the next newest valid one is tried. None: nothing left to load."""
+        while path is not None:
+            try:
+                return loading.load(path)
+            except Damaged as e:
+                path = self.give_up_on(path, str(e))
+        return None
+
+    def give_up_on(self, path: Path, reason: str, before: int | None = None) -> Path | None:
+        """Set a checkpoint that cannot be restored aside; the newest valid one left (older than
+        `before`, if given), or None."""
+        if Path(path).parent != self._store.root:  # resume_from_checkpoint named it: the user's folder
+            raise UserError(f"`resume_from_checkpoint`: {path} cannot be restored: {reason}")
+        self._store.set_aside(Path(path), reason)
+        if before is not None:
+            return self.rollback_point(before)
+        _, nxt, skipped = self._store.latest_valid()
+        for why in skipped:
+            warn(f"skipped checkpoint {why}")
+        info(f"continuing from {nxt.name} instead" if nxt else "no valid checkpoint left; starting from the beginning")
+        return nxt
+
+    def restore(self, loaded: Loaded, live: Live) -> dict:
+        """Check a loaded checkpoint against the live objects, then put it in (all or nothing):
+        Damaged leaves the live objects exactly as they were."""
+        loading.check_fits(loaded, live)
+        loading.apply(loaded, live)
+        best = saved.progress_of(loaded.state).best_step
         self._keep = frozenset() if best is None else frozenset({best})
-        return state
+        return loaded.state
 
     # --- saving --------------------------------------------------------------------------
     @property
@@ -96,6 +130,10 @@ class Checkpointer:
         self._saver.flush()
         keep_best(self._cfg, live.model, progress, self._run)
         return self._saver.commit_final(saved.adapter_files(live.model), self._run.final, progress.step, self._keep)
+
+    def flush(self) -> None:
+        """Wait for the save in flight (a failure is reported, never raised)."""
+        self._saver.flush()
 
     def drain_mirror(self, timeout: float = 300.0) -> None:
         if self._mirror:

@@ -17,25 +17,16 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 
 from relaytune import atomic
 from relaytune.atomic import MANIFEST, verify
-from relaytune.run_dir import STEP_DIR
+from relaytune.errors import UserError
 from relaytune.log import info, warn
-
-
-def redact(url: str) -> str:
-    """The URL without credentials or query string, safe to print and log."""
-    parts = urlsplit(url)
-    if not parts.scheme:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+from relaytune.redact import redact_url as redact
+from relaytune.redact import scrub, url_secrets
+from relaytune.run_dir import STEP_DIR
 
 
 class Mirror:
@@ -44,7 +35,12 @@ class Mirror:
     def __init__(self, url: str, keep: int | None, state_file: Path):
         self.url = url
         self.label = redact(url)
-        self.fs, root = fsspec.core.url_to_fs(url)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url)
+        except ImportError as e:  # fsspec names the missing package in its message
+            raise UserError(f"`mirror_to`: {self.label} needs a storage package that is not installed "
+                            f"({redact(str(e)).splitlines()[0]}). Install the mirror extra: "
+                            "pip install 'relaytune[mirror]' (s3fs and gcsfs), or the package named above") from None
         self.root = root.rstrip("/")
         self.keep = keep
         self.state_file = Path(state_file)
@@ -81,7 +77,7 @@ class Mirror:
                     self.push(local, keep)
                     break
                 except Exception as e:  # any backend error: report, retry, never stop training
-                    self._record(error=f"{type(e).__name__}: {e}")
+                    self._record(error=f"{type(e).__name__}: {scrub(str(e), url_secrets(self.url))}")
                     warn(f"mirror to {self.label} failed ({type(e).__name__}); will retry")
                     time.sleep(min(self.RETRY_SECONDS, 0.5 * 4 ** attempt))
 
@@ -166,7 +162,8 @@ class Mirror:
                 info(f"restored step-{step} from the mirror {self.label}")
                 return target
             except Exception as e:
-                warn(f"cannot download step-{step} from the mirror {self.label} ({type(e).__name__}: {e})")
+                warn(f"cannot download step-{step} from the mirror {self.label} "
+                     f"({type(e).__name__}: {scrub(str(e), url_secrets(self.url))})")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return None

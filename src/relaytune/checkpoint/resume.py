@@ -6,9 +6,10 @@ from pathlib import Path
 
 from relaytune.atomic import verify
 from relaytune.checkpoint.store import CheckpointStore
-from relaytune.config.schema import HARMLESS_KEYS, TrainConfig
+from relaytune.config import HARMLESS_KEYS, TrainConfig, saved_config_view
 from relaytune.errors import UserError
 from relaytune.log import info, notice, warn
+from relaytune.redact import redact_url
 
 
 def choose_checkpoint(cfg: TrainConfig, store: CheckpointStore, fresh: bool) -> Path | None:
@@ -52,6 +53,7 @@ def choose_checkpoint(cfg: TrainConfig, store: CheckpointStore, fresh: bool) -> 
 def check_compatible(saved: dict, cfg: TrainConfig, fingerprint: str, saved_fingerprint: str) -> None:
     """Refuse changes that would break exact continuation; note harmless ones."""
     current = cfg.model_dump(mode="json")
+    saved = saved_config_view(saved, current)  # relative paths saved by older runs name the same places
     changed = sorted(k for k in current if k in saved and saved[k] != current[k])
     breaking = [k for k in changed if k not in HARMLESS_KEYS]
     old_batch = saved["per_device_train_batch_size"] * saved["gradient_accumulation_steps"]
@@ -60,7 +62,8 @@ def check_compatible(saved: dict, cfg: TrainConfig, fingerprint: str, saved_fing
                         f"{old_batch} -> {cfg.global_batch_size})")
     if breaking:
         details = "; ".join(
-            f"`{k}`: {saved[k]!r} -> {current[k]!r}" if k in current else k for k in breaking)
+            f"`{k}`: {redact_url(repr(saved[k]))} -> {redact_url(repr(current[k]))}" if k in current else k
+            for k in breaking)
         raise UserError(
             f"the config changed since the checkpoint in a way that breaks exact continuation: "
             f"{details}. Restore the old value(s), or start a new run in another output_dir.")
@@ -71,4 +74,4 @@ def check_compatible(saved: dict, cfg: TrainConfig, fingerprint: str, saved_fing
     harmless = [k for k in changed if k in HARMLESS_KEYS]
     if harmless:
         notice("changed since the checkpoint, which is fine: " +
-               ", ".join(f"{k} {saved[k]!r} -> {current[k]!r}" for k in harmless))
+               ", ".join(f"{k} {redact_url(repr(saved[k]))} -> {redact_url(repr(current[k]))}" for k in harmless))

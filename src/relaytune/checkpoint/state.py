@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -61,10 +61,69 @@ def adapter_config_bytes(model) -> bytes:
 
 
 def deferred_safetensors(tensors: dict[str, torch.Tensor], metadata: dict) -> Callable[[], bytes]:
-    """Copy the tensors now, on their device (fast: no transfer, no serialisation), and
-    serialise later, in the thread that writes the checkpoint, while training goes on."""
-    copies = {k: v.detach().clone() for k, v in tensors.items()}
-    return lambda: save({k: v.to("cpu").contiguous() for k, v in copies.items()}, metadata=metadata)
+    """Copy the tensors now and serialise later, in the thread that writes the checkpoint, while
+    training goes on.
+
+    CPU tensors are cloned (unchanged: CPU checkpoints stay byte-identical). CUDA tensors are not
+    cloned on the GPU (that doubled LoRA + Adam state in GPU memory for a moment): they are copied
+    into reused pinned host buffers on a side stream; the training stream waits for those copies
+    before it changes a weight again (a GPU-side wait, no host sync), and the writer waits on an
+    event before it serialises. The buffers go back to the pool once the bytes exist."""
+    if not any(v.is_cuda for v in tensors.values()):
+        copies = {k: v.detach().clone() for k, v in tensors.items()}
+        return lambda: save({k: v.to("cpu").contiguous() for k, v in copies.items()}, metadata=metadata)
+    return _PinnedSnapshot(tensors, metadata)
+
+
+class _PinnedSnapshot:
+    """One tensor file staged in pinned host memory (see deferred_safetensors)."""
+
+    _free: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> idle pinned buffers
+    _streams: dict[int, object] = {}  # device index -> staging stream
+    _lock = __import__("threading").Lock()  # the writer thread releases while the loop acquires
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict):
+        self.metadata = metadata
+        self.data: bytes | None = None
+        device = next(v.device for v in tensors.values() if v.is_cuda)
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        stream.wait_stream(main)  # the values as of now
+        self.staged: dict[str, torch.Tensor] = {}
+        self.owned: list[torch.Tensor] = []
+        with torch.cuda.stream(stream):
+            for k, v in tensors.items():
+                if v.is_cuda:
+                    buf = self._acquire(tuple(v.shape), v.dtype)
+                    buf.copy_(v.detach(), non_blocking=True)
+                    self.owned.append(buf)
+                    self.staged[k] = buf
+                else:
+                    self.staged[k] = v.detach().clone()
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+        main.wait_stream(stream)  # no optimizer step overwrites a weight before its copy is done
+
+    def __call__(self) -> bytes:
+        if self.data is None:
+            self.event.synchronize()
+            self.data = save({k: v.contiguous() for k, v in self.staged.items()}, metadata=self.metadata)
+            self.staged = {}
+            with self._lock:  # reuse for the next snapshot; `data` is an independent copy
+                for buf in self.owned:
+                    self._free.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
+            self.owned = []
+        return self.data
+
+    @classmethod
+    def _acquire(cls, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        with cls._lock:
+            idle = cls._free.get((shape, dtype))
+            if idle:
+                return idle.pop()
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def snapshot(live: Live, state: dict, metrics_text: str, include_optimizer: bool = True
@@ -94,6 +153,19 @@ def snapshot(live: Live, state: dict, metrics_text: str, include_optimizer: bool
     files[TRAINER_STATE] = json.dumps(full, indent=1, sort_keys=True).encode()
     files[METRICS] = metrics_text.encode()
     return files
+
+
+def nonfinite(live: Live) -> str | None:
+    """Which trainable weight or optimizer state tensor holds a NaN or an infinity; None if all are
+    finite. Cheap (LoRA state is small): checked before every checkpoint is committed."""
+    for name, p in live.model.named_parameters():
+        if p.requires_grad and p.is_floating_point() and not bool(torch.isfinite(p.detach()).all()):
+            return f"weight {name}"
+    for idx, per_param in live.optimizer.state_dict()["state"].items():
+        for key, t in per_param.items():
+            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"optimizer state {key} of parameter {idx}"
+    return None
 
 
 def read_trainer_state(source: Path | dict) -> dict:

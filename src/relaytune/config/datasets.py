@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+MAX_WEIGHT = 10_000
+
 Format = Literal["auto", "text", "alpaca", "messages", "sharegpt", "prompt_completion"]
 
 # The standard field names a `dataset_columns` mapping may rename.
@@ -49,6 +51,9 @@ class DatasetSource(BaseModel):
     def _weight(cls, v: float) -> float:
         if not v >= 0 or v != v or v == float("inf"):
             raise ValueError("`weight` must be 0 or more")
+        if v > MAX_WEIGHT:
+            raise ValueError(f"`weight` must be at most {MAX_WEIGHT:,}: each epoch lists every row "
+                             "weight times, so a huge weight exhausts memory; raise the epochs instead")
         return v
 
     @field_validator("columns")

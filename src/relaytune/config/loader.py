@@ -12,19 +12,28 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
+from relaytune.config.paths import absolute, resolve_paths, resolve_value
 from relaytune.config.schema import ALIASES, TrainConfig
+from relaytune.config.yaml_source import parse_value, read_config_file
 from relaytune.errors import UserError
+from relaytune.log import warn
+from relaytune.redact import redact_url
 
 
 def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
                 overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
-    """Build a TrainConfig from a YAML path, a dict, or an existing config, then apply overrides."""
+    """Build a TrainConfig from a YAML path, a dict, or an existing config, then apply overrides.
+
+    Relative paths written in a file resolve against the file's folder; those in a dict, an
+    existing config or an override resolve against the working directory.
+    """
     if isinstance(source, TrainConfig) and not overrides:
         return source
+    here = Path.cwd()
     where: dict[str, str] = {}
+    folder = here
     if isinstance(source, TrainConfig):
         raw = source.model_dump(exclude_unset=True)
         where = {k: "the given config" for k in raw}
@@ -34,42 +43,39 @@ def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
     elif source is None:
         raw = {}
     else:
-        raw, where = _read_yaml(Path(source))
+        raw, where = read_config_file(Path(source))
+        folder = Path(os.path.abspath(os.path.expanduser(source))).parent
     raw, where = _apply_aliases(raw, where)
-    for key, value in parse_overrides(overrides).items():
-        key = ALIASES.get(key, key)
-        raw[key] = value
-        where[key] = f"the override {key}={value!r}" if not isinstance(value, str) else f"the override {key}={value}"
+    written = raw.get("output_dir")
+    raw = resolve_paths(raw, folder)
+    given = {ALIASES.get(k, k): v for k, v in parse_overrides(overrides).items()}
+    if "output_dir" not in given and folder != here:
+        _check_moved_output_dir(written, raw, where, here)
+    for key, value in given.items():
+        raw[key] = resolve_value(key, value, here)
+        shown = redact_url(value if isinstance(value, str) else repr(value))
+        where[key] = f"the override {key}={_clip(shown)}"
     _reject_unknown(raw, where)
     try:
-        return TrainConfig.model_validate(raw)
+        cfg = TrainConfig.model_validate(raw)
     except ValidationError as e:
         raise UserError(_explain(e, raw, where)) from None
+    for message in cfg.odd_settings():
+        warn(message)
+    return cfg
 
 
-def _read_yaml(path: Path) -> tuple[dict, dict[str, str]]:
-    if not path.is_file():
-        raise UserError(f"{path}: config file not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise UserError(f"{path}{at}: not valid YAML: {problem}") from None
-    if data is None:
-        return {}, {}
-    if not isinstance(data, dict) or not isinstance(node, yaml.MappingNode):
-        raise UserError(f"{path}: the config must be a flat mapping of key: value lines")
-    where = {}
-    for key_node, _ in node.value:
-        where[str(key_node.value)] = f"{path}:{key_node.start_mark.line + 1}"
-    return {str(k): v for k, v in data.items()}, where
+def _check_moved_output_dir(written: Any, raw: dict, where: dict[str, str], here: Path) -> None:
+    """A relative output_dir in a file used to mean "from the working directory": when the run
+    is there and nothing is beside the config, say so rather than silently start a new run."""
+    if not isinstance(written, str) or os.path.isabs(os.path.expanduser(written)):
+        return
+    now, before = Path(raw["output_dir"]), Path(absolute(written, here))
+    if before != now and (before / "checkpoints").is_dir() and not now.exists():
+        raise UserError(
+            f"{_at(where, 'output_dir')}`output_dir` now resolves against the config file's folder "
+            f"({now}), but the run is in {before}, where it resolved from the working directory "
+            f"before. Write output_dir: {before} in the config, or pass output_dir={written} from {here}")
 
 
 def _apply_aliases(raw: dict, where: dict[str, str]) -> tuple[dict, dict[str, str]]:
@@ -93,12 +99,9 @@ def parse_overrides(overrides: list[str] | dict[str, Any] | None) -> dict[str, A
     parsed = {}
     for item in overrides:
         if "=" not in item:
-            raise UserError(f"override {item!r} is not key=value (e.g. learning_rate=1e-4)")
+            raise UserError(f"override {_clip(redact_url(item))!r} is not key=value (e.g. learning_rate=1e-4)")
         key, text = item.split("=", 1)
-        try:
-            parsed[key.strip()] = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            parsed[key.strip()] = text
+        parsed[key.strip()] = parse_value(text)
     return parsed
 
 
@@ -153,12 +156,24 @@ def _explain(error: ValidationError, raw: dict, where: dict[str, str]) -> str:
             lines.append(f"`{key}` is required: {TrainConfig.model_fields[key].description}")
             continue
         if key in TrainConfig.model_fields:
-            allowed = _allowed(key)
-            suffix = f" (allowed: {allowed})" if allowed and "literal" in item["type"] else ""
-            lines.append(f"{_at(where, key)}`{key}`: {msg}; got {raw.get(key)!r}{suffix}")
+            allowed = _allowed(key) if "literal" in item["type"] else ""
+            if allowed:  # pydantic's own text already lists the choices; list them once
+                msg = "not one of the allowed values"
+            suffix = f" (allowed: {allowed})" if allowed else ""
+            lines.append(f"{_at(where, key)}`{key}`: {msg}; got {_shown(raw.get(key))}{suffix}")
         else:
             lines.append(msg)
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message may show it: credentials out of URLs, and short."""
+    return _clip(redact_url(repr(value)))
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """At most `limit` characters: a message must stay readable whatever was pasted in."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _nested_unknown_key(loc: tuple, where: dict[str, str]) -> str:

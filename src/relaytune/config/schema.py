@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
+from relaytune.config.checks import RANGES, check_mirror_url, check_range, iso_text
 from relaytune.config.datasets import DatasetSource, Format, check_columns
 
 BUILTIN_MODEL = "builtin:SmolLM2-135M-Instruct"
@@ -24,7 +25,8 @@ ALIASES = {
 
 
 class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=False)
+    # allow_inf_nan=False: `.inf` or `.nan` in any float setting is refused with its key named.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=False, allow_inf_nan=False)
 
     # --- what to train -------------------------------------------------------
     model: str = BUILTIN_MODEL
@@ -36,7 +38,10 @@ class TrainConfig(BaseModel):
     {path, weight, split, subset, format, columns}; weight 2 uses each row twice per epoch, 0.3 a
     seeded 30% of the rows."""
     output_dir: str
-    """Run folder: checkpoints/, final/ and metrics.jsonl live here. Re-running continues the run in it."""
+    """Run folder: checkpoints/, final/ and metrics.jsonl live here. Re-running continues the run in it.
+    Relative paths (here, in dataset, model, eval_dataset, chat_template, mirror_to,
+    resume_from_checkpoint) count from the config file's folder; given as key=value, from the
+    working directory."""
     trust_remote_code: bool = False
     """Run Python code shipped with a Hub model. Off by default: that code runs with your
     permissions. Turn on only for a model you trust that needs it."""
@@ -145,6 +150,17 @@ class TrainConfig(BaseModel):
     """Quantize the 4-bit quantization constants too (saves about 0.4 bit per weight)."""
     bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Compute dtype for 4-bit layers; auto follows the mixed-precision choice."""
+    torch_compile: bool | Literal["auto"] = "auto"
+    """Compile each decoder layer with torch.compile (regional compilation; gradient checkpointing
+    kept). auto: on for CUDA GPUs of compute capability 7.0+ with torch 2.6+, off on the CPU (so CPU
+    runs stay bit for bit reproducible). The first step takes longer (the warm-up is printed); a
+    compile error falls back to eager with a warning. Results equal eager within rounding, not bit
+    for bit, so changing this on resume is allowed."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """Attention for packed batches. flex: FlexAttention with one document mask per batch (packed
+    samples never see each other), on CUDA GPUs of compute capability 7.5+ (a T4 or newer); sdpa:
+    PyTorch's scaled_dot_product_attention. auto: flex for packed batches on such GPUs, else sdpa.
+    Unpacked (padded) batches always keep SDPA. Equal within rounding, so changing it on resume is allowed."""
 
     # --- LoRA ------------------------------------------------------------------
     lora_r: int = 16
@@ -187,9 +203,12 @@ class TrainConfig(BaseModel):
     mirror_to: str | None = None
     """Copy each committed checkpoint to durable storage in the background: a folder (e.g. a
     mounted Google Drive) or an fsspec URL (s3://, gs://, hf://). A new session with an empty
-    output_dir restores from it."""
+    output_dir restores from it. Credentials never go in the URL (it is saved in every
+    checkpoint): give them through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY,
+    HF_TOKEN) or the storage library's own config (~/.aws/credentials, gcloud)."""
     deadline: str | None = None
-    """Stop, save and exit 75 before this wall-clock time (ISO 8601, e.g. 2026-12-01T06:00:00Z)."""
+    """Stop, save and exit 75 before this wall-clock time (ISO 8601, e.g. 2026-12-01T06:00:00Z,
+    quoted or not); a time without a zone is local time."""
     time_limit: str | None = None
     """Stop, save and exit 75 before this much wall time has passed, e.g. 11h30m or 90m."""
 
@@ -219,7 +238,7 @@ class TrainConfig(BaseModel):
         return names if len(names) > 1 else (names[0] if names else "none")
 
     @model_validator(mode="after")
-    def _best_needs_eval(self) -> "TrainConfig":
+    def _best_needs_eval(self) -> TrainConfig:
         if self.load_best_model_at_end and not (self.eval_dataset or self.val_set_size > 0):
             raise ValueError("load_best_model_at_end needs eval data: set eval_dataset or val_set_size")
         return self
@@ -262,6 +281,21 @@ class TrainConfig(BaseModel):
             parse_duration(v)
         return v
 
+    @field_validator(*RANGES)
+    @classmethod
+    def _in_range(cls, v, info: ValidationInfo):
+        return check_range(info.field_name, v)
+
+    @field_validator("mirror_to")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        return check_mirror_url(v)
+
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _timestamp_text(cls, v):
+        return iso_text(v)
+
     @field_validator("deadline")
     @classmethod
     def _timestamp(cls, v: str | None) -> str | None:
@@ -277,23 +311,27 @@ class TrainConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "TrainConfig":
+    def _cross_field(self) -> TrainConfig:
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both true; choose one (or leave both unset for auto)")
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_4bit and load_in_8bit are both true; choose one")
-        if self.max_steps > 0 and self.warmup_steps >= self.max_steps:
-            raise ValueError(
-                f"warmup_steps ({self.warmup_steps}) is not shorter than the run "
-                f"(max_steps {self.max_steps}); the learning rate would never reach its peak"
-            )
         if self.eval_steps is not None and self.eval_steps < 1:
             raise ValueError("eval_steps must be at least 1 (or unset)")
-        if self.save_every_seconds < 0:
+        if not self.save_every_seconds >= 0:
             raise ValueError("save_every_seconds must be 0 (off) or positive")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError("save_total_limit must be at least 1 (or unset to keep all)")
         return self
+
+    def odd_settings(self) -> list[str]:
+        """Settings Hugging Face accepts that are probably not what was meant: warn, don't refuse."""
+        odd = []
+        if self.max_steps > 0 and self.warmup_steps >= self.max_steps:
+            odd.append(f"warmup_steps ({self.warmup_steps}) is not shorter than the run (max_steps "
+                       f"{self.max_steps}): the learning rate never reaches its peak {self.learning_rate:g}; "
+                       "training goes on as configured, as Hugging Face's Trainer does")
+        return odd
 
     @property
     def global_batch_size(self) -> int:
@@ -331,4 +369,7 @@ HARMLESS_KEYS = {
     "max_bad_steps", "on_repeated_nan", "report_to", "run_name", "load_best_model_at_end",
     "per_device_train_batch_size", "gradient_accumulation_steps", "eval_dataset",
     "dataset_cache", "max_bad_fraction",  # the data fingerprint still guards the rows themselves
+    # Same maths, other kernels: equal within rounding, never bit for bit on a GPU anyway; on the
+    # CPU both default to off, so a run that never sets them stays byte-identical across resumes.
+    "torch_compile", "attention",
 }

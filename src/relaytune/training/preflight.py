@@ -1,7 +1,7 @@
 """Checks before the model loads (GPU memory) and before training (disk), printed as one table.
 
-Seed 1, trap 3: after an OOM, a dead notebook's process kept 14.3 GB of a 16 GB
-GPU and the next model load failed again. We look first and say so plainly.
+A dead notebook's process can keep most of a GPU after an OOM, and the next model load then
+fails again: we look first and say so plainly.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def check_disk(report: Report, output_dir: Path, per_checkpoint: int, cfg: Train
     keep = (cfg.save_total_limit or 10) + 1  # +1: retention deletes only after the new one is committed
     need = keep * per_checkpoint + adapter_bytes
     free = shutil.disk_usage(output_dir).free
-    report.add("checkpoint", f"about {per_checkpoint / 2**20:.1f} MiB each; {keep} at once + final = {need / 2**20:.1f} MiB")
+    report.add("checkpoint", f"about {per_checkpoint / 2**20:.1f} MiB each; "
+                             f"{keep} at once + final = {need / 2**20:.1f} MiB")
     report.add("disk", f"{free / GIB:.1f} GiB free at {output_dir}")
     if free < need:
         raise UserError(

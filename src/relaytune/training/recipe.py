@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaytune import faults
+from relaytune.checkpoint.lock import RunLock
 from relaytune.config import load_config
 from relaytune.log import info
 from relaytune.run_dir import RunDir
+from relaytune.training.stops import StopRequest
 from relaytune.training.trainer import Trainer
 
 
@@ -45,14 +47,19 @@ def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
         info(f"{run.root} holds a finished run (final/ is committed); nothing to do")
         return RunResult("already finished", None, run.root, run.final)
     faults.reset()  # a test's fault plan is read once per run
-    trainer = Trainer(cfg, run)
-    try:
-        trainer.setup(fresh)  # everything that can reject the config happens before the model loads
-        trainer.run_loop()
-        final = trainer.finish()
-        return RunResult("finished", trainer.state.step, run.root, final)
-    except BaseException as e:
-        trainer.end_session(e)
-        raise
-    finally:
-        trainer.close()
+    with RunLock(run.root):  # one training process per run folder; a second one exits 2 touching nothing
+        trainer = Trainer(cfg, run)
+        # Signal handlers only set a flag. Installed when the loop starts and kept until train()
+        # returns, so a second signal after the stop checkpoint is committed still ends in exit 75.
+        stop = trainer.stop = StopRequest()
+        try:
+            trainer.setup(fresh)  # everything that can reject the config happens before the model loads
+            trainer.run_loop()
+            final = trainer.finish()
+            return RunResult("finished", trainer.state.step, run.root, final)
+        except BaseException as e:
+            trainer.end_session(e)
+            raise
+        finally:
+            trainer.close()
+            stop.uninstall()

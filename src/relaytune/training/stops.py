@@ -1,7 +1,8 @@
 """Stopping on purpose: a signal, or the time limit. Each hooks into the loop at one point.
 
 - `StopRequest`: SIGTERM/SIGINT/SIGUSR1/SIGHUP only set a flag; the loop checks
-  it after each optimizer step, saves and exits 75.
+  it after each optimizer step, saves and exits 75. A second signal within a few
+  seconds abandons the step in progress (exit 75, nothing saved).
 - `Deadline`: from `time_limit` (or the environment), says when there is no
   longer time for one more step plus a save, using measured durations.
 """
@@ -18,33 +19,92 @@ from relaytune.log import warn
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP") if hasattr(signal, n))
 
 
+class Abandoned(BaseException):
+    """A second signal soon after the first: the step in progress is abandoned, nothing is saved.
+    A BaseException so that no `except Exception` inside a step can swallow it."""
+
+
 class StopRequest:
-    """Installs flag-setting signal handlers for the duration of a `with` block."""
+    """Flag-setting signal handlers, from `install()` (or `with`) until `uninstall()`.
+
+    The recipe keeps them installed until train() returns, so a second signal after the stop
+    checkpoint is committed cannot kill the process with another exit code: every way out is 75.
+
+    First signal: the loop stops after the current step, with a checkpoint (the message says
+    roughly when, from `eta`, a callable the trainer sets). A second one within ABANDON_WINDOW
+    seconds, while a step runs (not while the stop checkpoint is written), abandons the step at
+    its next safe point (`check()`, called before each forward): exit 75 at once, no save.
+    """
+
+    ABANDON_WINDOW = 5.0
 
     def __init__(self):
         self.signal_name: str | None = None
         self.at: float | None = None
+        self.abandon = False  # a second signal came soon enough: leave the step at the next safe point
+        self.saving = False  # the stop checkpoint is being written: a second signal waits for it
+        self.committed = False  # the stop checkpoint is committed: nothing but exit 75 is left
+        self.eta = None  # () -> seconds until the stop, or None
+        self.last_checkpoint = None  # () -> name of the newest committed checkpoint, or None
         self._previous: dict = {}
 
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
+    def install(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self) -> StopRequest:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
         if self.signal_name is None:
-            self.signal_name = signal.Signals(signum).name
-            self.at = time.monotonic()
-            warn(f"{self.signal_name} received: stopping after this step, with a checkpoint")
+            self.signal_name, self.at = name, now
+            _say(f"{name} received: stopping after this step{self._when()}, with a checkpoint; "
+                 f"send it again within {self.ABANDON_WINDOW:.0f} s to stop at once without saving")
+        elif self.committed:
+            _say(f"{name} received again: the stop checkpoint is already committed; exiting")
+        elif self.saving:
+            _say(f"{name} received again: the stop checkpoint is being written; exiting as soon as it is committed")
+        elif now - self.at <= self.ABANDON_WINDOW:
+            if not self.abandon:
+                self.abandon = True
+                _say(f"{name} received again: abandoning the step in progress")
+        else:
+            _say(f"{name} received again: still stopping after this step{self._when()}")
+
+    def _when(self) -> str:
+        try:
+            eta = self.eta() if self.eta else None
+        except Exception:
+            eta = None
+        return "" if eta is None else f" (in about {eta:.0f} s, from the measured step time)"
+
+    def check(self, *_args) -> None:
+        """A safe point inside a step (a forward pre-hook): leave it if a second signal asked to."""
+        if self.abandon and not self.saving:
+            raise Abandoned()
 
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+
+def _say(message: str) -> None:
+    try:
+        warn(message)
+    except RuntimeError:  # a signal that landed inside a write to the same stream: never crash for a message
+        pass
 
 
 @dataclass(frozen=True)

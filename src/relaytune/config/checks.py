@@ -1,0 +1,112 @@
+"""Value checks the schema applies per field: ranges, sane caps, credentials in URLs, times.
+
+Each cap says why: a value past it either crashes later (an allocation, an overflow, a
+library's own refusal mid-run) or cannot be meant, and refusing it up front gives exit 2
+with the key named instead of a traceback an hour in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import date, datetime
+from typing import Any
+
+from relaytune.redact import secret_query_params, url_userinfo
+
+MAX_STEPS = 2**31 - 1
+MAX_EPOCHS = 1_000_000
+MAX_RANK = 4096
+MAX_ALPHA = 2 * MAX_RANK
+MAX_SEQ = 1_048_576
+MAX_BATCH = 65_536
+MAX_SEED = 2**32 - 1
+MAX_LR = 1e30
+
+_TYPO = "a value this large is a typo"
+
+# key -> (is the value fine?, what to write instead). Non-finite floats are refused by the
+# schema's allow_inf_nan=False before these run.
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "adam_beta1": (lambda v: 0 <= v < 1, "must be at least 0 and below 1 (torch's AdamW refuses others)"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "must be at least 0 and below 1 (torch's AdamW refuses others)"),
+    "adam_epsilon": (lambda v: v > 0, "must be greater than 0: it keeps AdamW's update from dividing by zero"),
+    "seed": (lambda v: 0 <= v <= MAX_SEED,
+             f"must be between 0 and {MAX_SEED} (2**32-1, the largest seed numpy accepts)"),
+    "weight_decay": (lambda v: v >= 0, "must be 0 or more"),
+    "learning_rate": (lambda v: v <= MAX_LR, f"must be at most {MAX_LR:g}: a larger rate overflows AdamW's "
+                      "float32 state at once (LoRA rates are usually 1e-5 to 1e-3)"),
+    "max_grad_norm": (lambda v: v >= 0, "must be 0 (no clipping) or more; a negative norm flips the gradient"),
+    "val_set_size": (lambda v: v >= 0, "must be 0 (none), a fraction below 1, or a row count"),
+    "num_train_epochs": (lambda v: v <= MAX_EPOCHS, f"must be at most {MAX_EPOCHS:,}; {_TYPO}"),
+    "max_steps": (lambda v: v <= MAX_STEPS,
+                  f"must be at most {MAX_STEPS:,} (2**31-1): years of training at any speed; {_TYPO}"),
+    "warmup_steps": (lambda v: 0 <= v <= MAX_STEPS, f"must be between 0 and {MAX_STEPS:,}"),
+    "lora_r": (lambda v: v <= MAX_RANK,
+               f"must be at most {MAX_RANK}: a rank past the model's hidden size is no longer "
+               "low-rank, and a huge one only allocates adapter matrices until memory runs out"),
+    "lora_alpha": (lambda v: v <= MAX_ALPHA,
+                   f"must be at most {MAX_ALPHA} (twice the largest rank, the usual alpha = 2 x r): "
+                   "a larger scale sends the adapter's output to inf"),
+    "max_seq_length": (lambda v: v <= MAX_SEQ,
+                       f"must be at most {MAX_SEQ:,} tokens: no model's positions reach further, and "
+                       "buffers of this length are allocated up front"),
+    "per_device_train_batch_size": (lambda v: v <= MAX_BATCH,
+                                    f"must be at most {MAX_BATCH:,} rows per forward pass; {_TYPO}"),
+    "gradient_accumulation_steps": (lambda v: v <= MAX_BATCH,
+                                    f"must be at most {MAX_BATCH:,} micro-batches per step; {_TYPO}"),
+}
+
+
+def check_range(key: str, value: Any) -> Any:
+    """`value` if it is in range for `key`, else ValueError with what to write instead."""
+    fine, message = RANGES[key]
+    if value is not None and not fine(value):
+        raise ValueError(message)
+    return value
+
+
+def iso_text(value: Any) -> Any:
+    """A datetime or date (YAML or Python gave one) as ISO 8601 text; anything else unchanged."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, date):
+        return value.isoformat()
+    return value
+
+
+# Where each storage library looks for credentials, by URL scheme.
+_CREDENTIALS_GO = {
+    "s3": "the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or "
+          "~/.aws/credentials, which s3fs reads",
+    "gs": "the environment (GOOGLE_APPLICATION_CREDENTIALS=/path/key.json) or "
+          "`gcloud auth application-default login`, which gcsfs reads",
+    "hf": "the environment (HF_TOKEN) or `hf auth login`, which huggingface_hub reads",
+    "az": "the environment (AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or "
+          "AZURE_STORAGE_SAS_TOKEN), which adlfs reads",
+}
+_SCHEME_FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "adl": "az"}
+
+
+def check_mirror_url(value: str | None) -> str | None:
+    """Refuse a `mirror_to` URL that carries credentials, saying where they belong instead.
+
+    The setting is saved in every checkpoint and printed in notices, so a secret in it would
+    leak; the message itself never repeats the URL.
+    """
+    if not value or "://" not in value:
+        return value
+    scheme = value.split("://", 1)[0].lower()
+    found = []
+    userinfo = url_userinfo(value)
+    if ":" in userinfo or (userinfo and scheme not in ("sftp", "ssh", "ftp", "smb")):
+        found.append("a user:password before the @")
+    params = secret_query_params(value)
+    if params:
+        found.append(f"the query parameter{'s' if len(params) > 1 else ''} {', '.join(params)}")
+    if not found:
+        return value
+    family = _SCHEME_FAMILY.get(scheme, scheme)
+    where = _CREDENTIALS_GO.get(family, "the environment or the storage library's own config file")
+    raise ValueError(
+        f"the URL holds credentials ({'; '.join(found)}), which would be saved in every checkpoint "
+        f"and printed. Remove them from the URL and give them through {where}")

@@ -1,0 +1,96 @@
+"""Issue 15 item 8 and issue 14 item 4: a second signal after the stop checkpoint is committed still
+exits 75; a second one within a few seconds during a step abandons it (exit 75, nothing saved, the
+last committed checkpoint named); "committed X s after the request" counts from the signal."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+
+from relaytune.atomic import verify
+from relaytune.observe.metrics import read_metrics
+from relaytune.training.stops import Abandoned, StopRequest
+
+
+def _wait(cond, pid: int, timeout: float = 120, poll: float = 0.002) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        os.kill(pid, 0)  # still alive
+        time.sleep(poll)
+
+
+def _logged(run: Path, step: int):
+    return lambda: (run / "metrics.jsonl").exists() and any(
+        r.get("step", 0) >= step for r in read_metrics(run / "metrics.jsonl") if "loss" in r)
+
+
+def _committed(run: Path):
+    return lambda: any((p / "manifest.json").exists() for p in (run / "checkpoints").glob("step-*")) \
+        if (run / "checkpoints").exists() else False
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_after_the_stop_checkpoint_still_exits_75(signame, tmp_path, tiny_model, chat_data,
+                                                                  fork_cli):
+    cfg = make_config(tmp_path, tiny_model, chat_data, max_steps=10_000, save_steps=10_000)
+    run = tmp_path / "run"
+    sig = getattr(signal, signame)
+    child = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "1.5"})
+    _wait(_logged(run, 2), child.pid)
+    os.kill(child.pid, sig)  # lands in the 1.5 s sleep after step 2's record
+    _wait(_committed(run), child.pid)
+    try:
+        os.kill(child.pid, sig)  # the stop checkpoint is committed: the process is on its way out
+    except ProcessLookupError:
+        pass
+    r = child.wait(120)
+    assert r.returncode == 75, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr
+    # Measured from the signal, which came ~1.5 s before the step ended and the save began.
+    took = float(re.search(r"committed ([0-9.]+)s after the request", r.stderr).group(1))
+    assert took >= 0.7, r.stderr[-2000:]
+    assert f"{signame} received: stopping after this step" in r.stderr
+
+
+def test_a_second_ctrl_c_during_a_step_abandons_it(tmp_path, tiny_model, chat_data, fork_cli):
+    cfg = make_config(tmp_path, tiny_model, chat_data, max_steps=10_000, save_steps=2)
+    run = tmp_path / "run"
+    child = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "3"})
+    _wait(_logged(run, 3), child.pid)  # step-2 is committed (in the background) by now
+    os.kill(child.pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.kill(child.pid, signal.SIGINT)
+    r = child.wait(120)
+    assert r.returncode == 75, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "SIGINT received: stopping after this step" in r.stderr
+    assert "abandoned" in r.stderr and "the last committed checkpoint, step-2, is intact" in r.stderr
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step-2"] and verify(run / "checkpoints/step-2") is None  # step 3 was not saved
+
+
+def test_the_abandon_flag_is_raised_only_at_a_safe_point_and_only_soon_after(capsys):
+    stop = StopRequest()
+    stop._handle(signal.SIGINT, None)
+    stop.check()  # one signal: go on to the end of the step
+    stop._handle(signal.SIGINT, None)
+    with pytest.raises(Abandoned):
+        stop.check()
+    late = StopRequest()
+    late._handle(signal.SIGTERM, None)
+    late.at -= late.ABANDON_WINDOW + 1
+    late._handle(signal.SIGTERM, None)
+    late.check()
+    saving = StopRequest()
+    saving._handle(signal.SIGINT, None)
+    saving.saving = True
+    saving._handle(signal.SIGINT, None)
+    saving.check()  # the stop checkpoint is being written: let it commit
+    assert "being written" in capsys.readouterr().err
