@@ -9,8 +9,9 @@ from collections import namedtuple
 import pytest
 from support.trained_run import finished_run, one_thread
 
-from relaytune.commands import export
+from relaytune.atomic import TMP_PREFIX
 from relaytune.cli import main
+from relaytune.commands import export
 from relaytune.errors import UserError
 
 
@@ -66,7 +67,8 @@ def test_adapter_export_loads_with_peft_and_carries_tokenizer(run, tiny_model, t
 
     out = export.export_run(run, tmp_path / "adapter")  # default: final/
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-    assert (out / "adapter_model.safetensors").read_bytes() == (run / "final" / "adapter_model.safetensors").read_bytes()
+    adapter = "adapter_model.safetensors"
+    assert (out / adapter).read_bytes() == (run / "final" / adapter).read_bytes()
     with one_thread():
         torch.testing.assert_close(_base_plus_adapter(tiny_model, out),
                                    _base_plus_adapter(tiny_model, run / "final"))
@@ -95,4 +97,51 @@ def test_disk_space_is_checked_before_writing(run, tmp_path, monkeypatch):
         export.export_run(run, tmp_path / "merged", merge=True)
     with pytest.raises(UserError, match="not enough disk space"):
         export.export_run(run, tmp_path / "adapter")
-    assert not any(p.name.startswith((".relaytune-tmp", "merged", "adapter")) for p in tmp_path.iterdir())
+    assert not any(p.name.startswith((TMP_PREFIX, "merged", "adapter")) for p in tmp_path.iterdir())
+
+
+def test_gguf_export_writes_readable_files_and_a_modelfile(run, tmp_path, capsys):
+    """`--gguf --gguf-lora`: the merged model as f16 and q8_0 GGUF, the adapter as a LoRA GGUF, an
+    Ollama Modelfile naming the last type, all read back by gguf's own reader."""
+    import gguf
+
+    out = tmp_path / "gguf"
+    with one_thread():
+        assert main(["export", str(run), "--out", str(out), "--gguf", "--gguf-lora"]) == 0
+    name = run.name
+    for suffix in ("f16", "q8_0", "lora"):
+        reader = gguf.GGUFReader(out / f"{name}-{suffix}.gguf")
+        assert reader.tensors, suffix
+    lora = gguf.GGUFReader(out / f"{name}-lora.gguf")
+    assert bytes(lora.fields["general.type"].parts[-1]).decode() == "adapter"
+    assert all(t.name.endswith((".lora_a", ".lora_b")) for t in lora.tensors)
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith(f"FROM ./{name}-q8_0.gguf") and "TEMPLATE" in modelfile
+    assert json.loads((out / "relaytune_export.json").read_text())["merged"] is True
+
+
+def test_gguf_type_is_checked_before_anything_is_written(run, tmp_path):
+    with pytest.raises(UserError, match="--gguf-types: 'q2_k' is not one of f16, q8_0, bf16, f32"):
+        export.export_run(run, tmp_path / "x", merge=True, gguf=export.GgufRequest(("q2_k",)))
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_every_exported_file_follows_the_umask(run, tmp_path, mask):
+    """Issue 14 item 6: the merged model.safetensors was 0600 beside 0644 siblings (safetensors
+    writes 0600); every exported file now has the mode a plain open() gives under the umask."""
+    import os
+    import stat
+
+    old = os.umask(mask)
+    try:
+        with one_thread():
+            assert main(["export", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 0
+            assert main(["export", str(run), "--out", str(tmp_path / "adapter")]) == 0
+    finally:
+        os.umask(old)
+    for folder in ("merged", "adapter"):
+        files = [p for p in (tmp_path / folder).rglob("*") if p.is_file()]
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in files}
+        assert "model.safetensors" in modes or folder == "adapter"
+        assert set(modes.values()) == {0o666 & ~mask}, modes
