@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from relaytune.plan import GIB, FITS, NO_FIT, Gpu, Settings, estimate_memory, fit_status  # noqa: E402
+from relaytune.plan import FITS, GIB, NO_FIT, Gpu, Settings, estimate_memory, fit_status  # noqa: E402
 from relaytune.plan.architectures import from_table  # noqa: E402
 from relaytune.plan.gpus import CUDA_CONTEXT_GIB  # noqa: E402
 
@@ -92,15 +92,16 @@ def predict(case: Case, cap_gib: float) -> dict:
 
 def measure(case: Case, cap_gib: float | None) -> dict:
     """Train the case; with cap_gib, under that memory cap. Returns peak, OOM events and speed."""
+    import gpu_bench
     import torch
 
-    import gpu_bench
-
     total = torch.cuda.get_device_properties(0).total_memory
+    # The model is built (random weights, saved to disk) before the cap: building is not training.
+    model = gpu_bench.build_model(MODELS[case.model][1])
+    data = gpu_bench.long_text_data(case.micro_batch * (STEPS + 2), case.seq)
+    torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / total if cap_gib else 1.0)
     try:
-        model = gpu_bench.build_model(MODELS[case.model][1])
-        data = gpu_bench.long_text_data(case.micro_batch * (STEPS + 2), case.seq)
         result = gpu_bench.run(f"plan-{case.name}{'-cap' if cap_gib else ''}", model, data, **case.train_config())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

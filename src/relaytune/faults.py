@@ -16,9 +16,13 @@ RELAYTUNE_FILL_AT="point:N" with RELAYTUNE_FILL_FILE=/path/on/the/same/filesyste
     N-th time `point` is reached; every write after that fails for real.
 RELAYTUNE_OOM_AT="step:micro[,step:micro...]"
     Raise torch.OutOfMemoryError in the forward of that micro-batch (0-based)
-    of that optimizer step (0-based), once each.
+    of that optimizer step (0-based), once each. With several processes, micro is
+    counted within the rank's share, and RELAYTUNE_OOM_RANK=r limits it to rank r.
 RELAYTUNE_NAN_AT="step[,step...]"
     Make the loss of that optimizer step NaN, once each.
+RELAYTUNE_RECORD_ROWS=/path/prefix
+    Append {"step", "rank", "rows"} (the row ids this rank trains in that step) to
+    PREFIX.rank<r>.jsonl, so a test can see which rows every global batch held.
 RELAYTUNE_SLOW_STEP=seconds
     Sleep this long after every optimizer step, so that a tiny test model trains
     slowly enough for a signal or a time limit to land mid-run.
@@ -33,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 VARIABLES = ("RELAYTUNE_CRASH_AT", "RELAYTUNE_FAIL_AT", "RELAYTUNE_FILL_AT", "RELAYTUNE_OOM_AT",
-             "RELAYTUNE_NAN_AT", "RELAYTUNE_SLOW_STEP")
+             "RELAYTUNE_NAN_AT", "RELAYTUNE_SLOW_STEP", "RELAYTUNE_OOM_RANK", "RELAYTUNE_RECORD_ROWS")
 
 
 @dataclass
@@ -65,6 +69,8 @@ def parse(env) -> Plan:
     for spec in _items(env, "RELAYTUNE_FILL_AT"):
         plan.fill.add((":".join(spec[:-1]), int(spec[-1])))
     plan.oom = {(int(s[0]), int(s[1])) for s in _items(env, "RELAYTUNE_OOM_AT")}
+    if env.get("RELAYTUNE_OOM_RANK", "").strip() and env.get("RANK", "0") != env["RELAYTUNE_OOM_RANK"].strip():
+        plan.oom = set()  # another rank's fault
     plan.nan = {int(s[0]) for s in _items(env, "RELAYTUNE_NAN_AT")}
     plan.slow_step = float(env.get("RELAYTUNE_SLOW_STEP") or 0.0)
     return plan
@@ -111,6 +117,16 @@ def step_ended() -> None:
     if plan.slow_step:
         time.sleep(plan.slow_step)
     reach("step:end")
+
+
+def rows_trained(step: int, rank: int, rows: list[int]) -> None:
+    """The row ids this rank trains in optimizer step `step` (RELAYTUNE_RECORD_ROWS only)."""
+    prefix = os.environ.get("RELAYTUNE_RECORD_ROWS")
+    if prefix:
+        import json
+
+        with open(f"{prefix}.rank{rank}.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"step": step, "rank": rank, "rows": rows}) + "\n")
 
 
 def oom_now(step: int, micro: int) -> bool:

@@ -7,7 +7,10 @@ token are decided here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,19 @@ from relaytune import builtin
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
 from relaytune.log import notice
+
+# peft's PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` property (our
+# own code calls the new names), so its FutureWarning is library-internal noise: this one message only.
+IS_GC_DEPRECATED = r"`is_gradient_checkpointing` is deprecated"
+warnings.filterwarnings("ignore", message=IS_GC_DEPRECATED, category=FutureWarning)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """The same filter, for a block (it also holds where something, e.g. pytest, reset the filters)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=IS_GC_DEPRECATED, category=FutureWarning)
+        yield
 
 
 @dataclass(frozen=True)
@@ -65,15 +81,24 @@ def resolve_source(cfg: TrainConfig) -> ModelSource:
     p = Path(os.path.expanduser(name))
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise UserError(f"`model`: GGUF file {p} not found")
+            raise UserError(f"`model`: GGUF file {where(name)} not found")
         return ModelSource(str(p.parent), p.name, name)
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise UserError(f"`model`: {p} is not a model folder (it has no config.json)")
         return ModelSource(str(p), None, name)
     if name.startswith((".", "/", "~")):
-        raise UserError(f"`model`: {name} does not exist")
+        raise UserError(f"`model`: {where(name)} does not exist")
     return ModelSource(name, None, name)  # a Hub id
+
+
+def where(path: str) -> str:
+    """A path as the message about it should name it: absolute, and for a relative one, the folder
+    it was resolved against (the working directory, at this point)."""
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return str(p)
+    return f"{Path.cwd() / p} ({path!r} is relative: resolved against the working directory {Path.cwd()})"
 
 
 def load_tokenizer(cfg: TrainConfig, src: ModelSource | None = None):
@@ -127,22 +152,37 @@ def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None =
     if not quantized:
         model.to(precision.device)
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
-    gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks when the inputs do not require grad
     # No prepare_model_for_kbit_training: it upcasts every non-quantized weight to fp32, which
     # for Llama-3-8B's untied 128k-vocab embedding and head alone is 8.4 GB instead of 2.1 GB,
     # and mixed precision does not need it. get_peft_model freezes the base weights.
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
-        model.enable_input_require_grads()
+    # `auto` is resolved by the trainer before the model loads (training/autobatch.py); left as auto here
+    # (evaluation, export: no backward) it means off.
+    if cfg.gradient_checkpointing is True:
+        enable_checkpointing(model)
     lora = LoraConfig(
         r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
         target_modules=cfg.lora_target_modules, bias="none", task_type="CAUSAL_LM",
     )
     try:
-        model = get_peft_model(model, lora)
+        with quiet_peft():
+            model = get_peft_model(model, lora)
     except ValueError as e:
         raise UserError(f"`lora_target_modules`: {e}") from None
+    from relaytune.training.speedups import apply_speedups  # compile, flex attention: off on the CPU by default
+
+    apply_speedups(model, cfg, precision)
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """Gradient checkpointing on a transformers model (or a PEFT model around one), non-reentrant."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks when the inputs do not require grad
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x: the old name warns
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+    base.enable_input_require_grads()
 
 
 def _bnb_config(cfg: TrainConfig, precision: Precision):
@@ -174,6 +214,11 @@ def load_pretrained(cls, src: ModelSource, cfg: TrainConfig, **kwargs):
         raise
     except OSError as e:
         raise UserError(f"`model`: cannot load {src.label}: {str(e).splitlines()[0]}") from None
-
-
-_from_pretrained = load_pretrained  # the old private name, until every caller uses load_pretrained
+    except pickle.UnpicklingError as e:  # torch's weights_only loader refused a pickle: nothing ran
+        first = (str(e).split("WeightsUnpickler error:")[-1].strip().splitlines() or [""])[0][:160]
+        raise UserError(
+            f"`model`: the weights of {src.label} are a pickle file (pytorch_model.bin) that holds more "
+            f"than tensors ({first or 'refused by torch'}), so relaytune refused to load it: loading it "
+            "could run code hidden in the file, and none was run. Convert the weights to safetensors "
+            "(model.safetensors) on a machine you trust, or use a copy of the model that ships "
+            "safetensors.") from None

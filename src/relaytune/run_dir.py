@@ -184,20 +184,42 @@ def newest_state(run: Path) -> dict | None:
     return None
 
 
+def run_info(run: Path) -> dict | None:
+    """The `run` entry of final/'s (else best/'s) manifest: the config and data fingerprint a finished
+    run trained with, so that a run whose checkpoints/ is gone still explains itself."""
+    for folder in (RunDir(run).final, RunDir(run).best):
+        try:
+            info = read_manifest(folder).get("run")
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and isinstance(info.get("config"), dict):
+            return {**info, "total_steps": info.get("step")} if folder.name == "final" else info
+    return None
+
+
+def saved_config(run: Path) -> dict | None:
+    """The configuration the run trained with: the newest checkpoint's, else final/'s (or best/'s)."""
+    state = newest_state(run)
+    if state is not None and isinstance(state.get("config"), dict):
+        return state
+    return run_info(run)
+
+
 def run_config(run: Path, config: str | None = None):
-    """The run's TrainConfig: from --config if given, else the newest checkpoint's copy."""
+    """The run's TrainConfig: from --config if given, else the newest checkpoint's copy, else final/'s."""
     from relaytune.config.loader import load_config
 
     if config:
         return load_config(config, {"output_dir": str(run)})
-    state = newest_state(run)
+    state = saved_config(run)
     if state is None:
-        raise UserError(f"{run}: no checkpoint holds the run's configuration; pass --config CONFIG.yaml")
+        raise UserError(f"{run}: neither a checkpoint nor final/ holds the run's configuration; "
+                        "pass --config CONFIG.yaml")
     try:
         # The folder may have moved since (copied from a mirror, another machine): it is RUN_DIR now.
         return load_config({**state["config"], "output_dir": str(run)})
     except UserError as e:
-        raise UserError(f"{run}: the configuration saved in the checkpoint does not load here ({e}); "
+        raise UserError(f"{run}: the configuration saved with the run does not load here ({e}); "
                         "pass --config CONFIG.yaml") from None
 
 
@@ -277,6 +299,9 @@ def _step_ref(run: Path, step: int) -> AdapterRef:
 
 
 def _final_step(run: Path) -> int | None:
+    info = run_info(run)
+    if info is not None and isinstance(info.get("total_steps"), int):
+        return info["total_steps"]
     state = newest_state(run)
     return state.get("total_steps") if state else None
 

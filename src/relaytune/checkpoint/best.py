@@ -25,8 +25,9 @@ from relaytune.log import info, warn
 from relaytune.run_dir import ADAPTER, ADAPTER_CONFIG, RunDir
 
 
-def keep_best(cfg, model, c: TrainState, run: RunDir) -> Path | None:
-    """Call once at finish, after the last eval and before final/ is committed."""
+def keep_best(cfg, model, c: TrainState, run: RunDir, run_info=None) -> Path | None:
+    """Call once at finish, after the last eval and before final/ is committed. `run_info(step)`: the
+    config, data fingerprint and base model, kept in best/'s manifest so best/ stands alone."""
     if c.best_step is None:
         return None  # no eval data, so no best
     if c.best_step == c.step:
@@ -44,7 +45,8 @@ def keep_best(cfg, model, c: TrainState, run: RunDir) -> Path | None:
         shutil.rmtree(leftover, ignore_errors=True)
     try:
         if not _same(target, files, c.best_step):  # a re-run after a kill past this point: keep it
-            commit_folder(files, target, {"kind": "best", "step": c.best_step, "eval_loss": c.best_eval_loss})
+            commit_folder(files, target, {"kind": "best", "step": c.best_step, "eval_loss": c.best_eval_loss,
+                                          **({"run": run_info(c.best_step)} if run_info else {})})
         info(f"best/ holds the adapter of step {c.best_step} (eval loss {c.best_eval_loss:.4f})")
     except OSError as e:  # final/ matters more than its copy: go on and commit it
         warn(f"best/ could not be written ({e}); checkpoints/step-{c.best_step} still holds it")

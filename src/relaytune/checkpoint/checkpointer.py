@@ -23,7 +23,7 @@ from relaytune.checkpoint import state as saved
 from relaytune.checkpoint.best import keep_best
 from relaytune.checkpoint.load import Damaged, Loaded
 from relaytune.checkpoint.mirror import Mirror
-from relaytune.checkpoint.resume import choose_checkpoint
+from relaytune.checkpoint.resume import Relay, choose_checkpoint
 from relaytune.checkpoint.saver import Saver
 from relaytune.checkpoint.state import Live, TrainState
 from relaytune.checkpoint.store import CheckpointStore, verify_checkpoint
@@ -45,6 +45,8 @@ class Checkpointer:
         config_hash = hashlib.sha256(json.dumps(config_dump, sort_keys=True).encode()).hexdigest()[:16]
         self._saver = Saver(cfg, self._store, config_hash, self._mirror)
         self._keep: frozenset[int] = frozenset()  # the best step: retention never deletes it
+        self._relay: Relay | None = None  # another run to continue (resume_from_checkpoint, Kaggle inputs)
+        self._fingerprint: str | None = None  # the training data's, once known: written into final/
 
     # --- where to start ------------------------------------------------------------------
     def resume_point(self, fresh: bool) -> Path | None:
@@ -54,7 +56,21 @@ class Checkpointer:
         if self._mirror and not fresh:
             local_newest, _, _ = self._store.latest_valid()
             self._mirror.restore_newer(self._store.root, local_newest)
-        return choose_checkpoint(self._cfg, self._store, fresh)
+        chosen = choose_checkpoint(self._cfg, self._store, fresh)
+        if isinstance(chosen, Relay):  # another run's state: which one depends on the data (relay_pick)
+            self._relay = chosen
+            return None
+        return chosen
+
+    def relay_caches(self) -> list[Path]:
+        """The tokenization caches of the runs this one may continue (read only, never written)."""
+        return self._relay.caches() if self._relay else []
+
+    def relay_pick(self, start_from: Path | None, fingerprint: str) -> Path | None:
+        """Once the data is known: with a relay pending, the newest source checkpoint trained on this
+        data (None: fresh); otherwise `start_from`. The fingerprint also goes into final/ and best/."""
+        self._fingerprint = fingerprint
+        return self._relay.pick(fingerprint) if self._relay else start_from
 
     def rollback_point(self, before: int | None = None) -> Path | None:
         """The newest committed checkpoint (older than step `before`, if given), for a rollback
@@ -117,9 +133,16 @@ class Checkpointer:
         self._keep = frozenset({step})
         self._saver.force(step)
 
-    def raise_if_failing(self, step: int) -> None:
+    def failing(self) -> bool:
+        """Too many saves in a row failed: the run must stop rather than train unsaved."""
+        return self._saver.failures >= MAX_FAILED_SAVES
+
+    def raise_if_failing(self, step: int, force: bool = False) -> None:
+        """StoppedEarly (exit 75) when saves keep failing; `force`: another rank (rank 0, the one
+        that saves) found they do, and every rank stops with it."""
         failures = self._saver.failures
-        if failures >= MAX_FAILED_SAVES:
+        if failures >= MAX_FAILED_SAVES or force:
+            failures = max(failures, MAX_FAILED_SAVES)
             raise StoppedEarly(f"no checkpoint could be written {failures} times in a row "
                                f"(disk full or failing); free space, then run again to continue from the "
                                f"last committed checkpoint", step, None, how="disk")
@@ -128,8 +151,14 @@ class Checkpointer:
     def finish(self, live: Live, progress: TrainState) -> Path:
         """best/ (and, with load_best_model_at_end, the best weights into the model), then final/."""
         self._saver.flush()
-        keep_best(self._cfg, live.model, progress, self._run)
-        return self._saver.commit_final(saved.adapter_files(live.model), self._run.final, progress.step, self._keep)
+        config = self._cfg.model_dump(mode="json")
+
+        def run_info(step: int) -> dict:  # in the manifests of final/ and best/: each works alone
+            return saved.run_info(live.model, config, self._fingerprint, step)
+
+        keep_best(self._cfg, live.model, progress, self._run, run_info)
+        return self._saver.commit_final(saved.adapter_files(live.model), self._run.final, progress.step,
+                                        self._keep, run=run_info(progress.step))
 
     def flush(self) -> None:
         """Wait for the save in flight (a failure is reported, never raised)."""

@@ -21,7 +21,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ class _Window(BaseModel):
 
 class _BatchConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
-    per_device_train_batch_size: Annotated[StrictInt, Field(ge=1)]
+    per_device_train_batch_size: Annotated[StrictInt, Field(ge=1)] | Literal["auto"]
     gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1)]
 
 

@@ -115,10 +115,11 @@ class Saver:
     def wait_quietly(self) -> None:
         self._writer.wait_quietly()
 
-    def commit_final(self, files: dict[str, bytes], target: Path, step: int, keep: frozenset[int]) -> Path:
+    def commit_final(self, files: dict[str, bytes], target: Path, step: int, keep: frozenset[int],
+                     run: dict | None = None) -> Path:
         self._writer.wait()
-        try:
-            path = commit_folder(files, target, {"kind": "final", **self._meta})
+        try:  # `run`: the config and data fingerprint, kept in the manifest so final/ stands alone
+            path = commit_folder(files, target, {"kind": "final", **self._meta, **({"run": run} if run else {})})
         except OSError as e:
             _, latest, _ = self._store.latest_valid()
             raise StoppedEarly(

@@ -9,7 +9,9 @@ state is small); `restore` puts them back bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +53,55 @@ def adapter_files(model) -> dict[str, bytes]:
     return {ADAPTER: save(weights, metadata={"format": "pt"}), ADAPTER_CONFIG: adapter_config_bytes(model)}
 
 
+BUILTIN_HUB_IDS = {"builtin:SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolvable_base(path: str | None) -> tuple[str | None, str | None]:
+    """(what adapter_config.json names as the base, the local folder it was loaded from or None).
+
+    Others cannot resolve a path on the training machine, so the base is named by its Hub id
+    where one is known: the built-in model's real id, or a local folder's own `_name_or_path`
+    (config.json) when that is a Hub id; otherwise the folder's path as given."""
+    if not path:
+        return path, None
+    local = Path(os.path.expanduser(path))
+    if not local.exists():
+        return path, None  # a Hub id already
+    from relaytune import builtin
+
+    for name, hub_id in BUILTIN_HUB_IDS.items():
+        try:
+            if local.resolve() == (builtin.cache_root() / name.split(":", 1)[1]).resolve():
+                return hub_id, str(local)
+        except OSError:
+            pass
+    try:
+        named = json.loads((local / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if isinstance(named, str) and _HUB_ID.match(named) and not Path(os.path.expanduser(named)).exists():
+        return named, str(local)
+    return path, str(local)
+
+
 def adapter_config_bytes(model) -> bytes:
     config = model.peft_config["default"].to_dict()
     config["inference_mode"] = True
+    config["base_model_name_or_path"], _ = resolvable_base(config.get("base_model_name_or_path"))
     for k, v in list(config.items()):
         if isinstance(v, set):
             config[k] = sorted(v)
     return json.dumps(config, indent=2, sort_keys=True, default=str).encode()
+
+
+def run_info(model, config: dict, fingerprint: str | None, step: int) -> dict:
+    """What final/ and best/ keep in their manifest (key `run`) so that every command works from
+    that folder alone (export, eval, compare, status): the resolved config with the training-time
+    overrides and quantization, the data fingerprint, and the base model with its local path."""
+    hub, local = resolvable_base(model.peft_config["default"].base_model_name_or_path)
+    return {"step": step, "config": config, "data_fingerprint": fingerprint,
+            "base_model": {"model": config.get("model"), "base_model_name_or_path": hub, "local_path": local}}
 
 
 def deferred_safetensors(tensors: dict[str, torch.Tensor], metadata: dict) -> Callable[[], bytes]:

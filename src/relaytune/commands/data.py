@@ -44,7 +44,7 @@ def check_data(config, overrides: dict | None = None) -> dict:
     data = prepare_data(cfg, tokenizer)
     stats = dict(data.stats, seconds=round(time.monotonic() - began, 2))
     lengths = data.train.lengths.tolist()
-    limit, batch = cfg.max_seq_length, cfg.per_device_train_batch_size
+    limit, batch = cfg.max_seq_length, cfg.micro_batch_hint
     if not cfg.packing:
         stats["padding_efficiency"] = round(_padded_share(lengths, batch, cfg.seed), 4)
         bins = best_fit_decreasing(lengths, limit, cfg.seed)

@@ -97,11 +97,11 @@ def evaluate_run(run: str | Path, checkpoints: str | None = None, data: str | No
             continue
         if ref is None:
             with model.disable_adapter():
-                loss, tokens = eval_loss(model, rows, cfg.per_device_train_batch_size,
+                loss, tokens = eval_loss(model, rows, cfg.micro_batch_hint,
                                          tokenizer.pad_token_id, precision)
         else:
             put_adapter(model, ref)
-            loss, tokens = eval_loss(model, rows, cfg.per_device_train_batch_size,
+            loss, tokens = eval_loss(model, rows, cfg.micro_batch_hint,
                                      tokenizer.pad_token_id, precision)
         cache[key] = {"eval_loss": loss, "tokens": tokens, "name": name, "time": time.time()}
         _write_cache(out, cache)  # after each one: an interrupted eval keeps what it finished

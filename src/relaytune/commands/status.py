@@ -20,7 +20,7 @@ from relaytune import atomic
 from relaytune.atomic import MANIFEST, read_manifest, verify
 from relaytune.observe.metrics import read_records
 from relaytune.observe.progress import read_progress
-from relaytune.run_dir import ADAPTER, AdapterRef, RunDir, newest_state, run_dir, step_checkpoints
+from relaytune.run_dir import ADAPTER, AdapterRef, RunDir, run_dir, saved_config, step_checkpoints
 
 BARS = "▁▂▃▄▅▆▇█"
 DESCRIPTION = ("Where a run stands, from any shell, also while it trains: steps and ETA, checkpoints (size, "
@@ -92,7 +92,7 @@ def run_status(run: str | Path, check_files: bool = True, plot: bool = True) -> 
     train = [r for r in records if "loss" in r and "event" not in r and isinstance(r.get("step"), int)]
     progress = read_progress(out)
     sessions = read_sessions(out, progress)
-    state = newest_state(out) or {}
+    state = saved_config(out) or {}  # the newest checkpoint's, else final/'s relaytune.json
     total = next((s.total for s in reversed(sessions) if s.total), None) or state.get("total_steps")
     finished = verify(layout.final) is None if layout.final.exists() else False
     committed = [ref.step for ref in step_checkpoints(out)]

@@ -50,7 +50,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_seq_length": (lambda v: v <= MAX_SEQ,
                        f"must be at most {MAX_SEQ:,} tokens: no model's positions reach further, and "
                        "buffers of this length are allocated up front"),
-    "per_device_train_batch_size": (lambda v: v <= MAX_BATCH,
+    "per_device_train_batch_size": (lambda v: v == "auto" or v <= MAX_BATCH,
                                     f"must be at most {MAX_BATCH:,} rows per forward pass; {_TYPO}"),
     "gradient_accumulation_steps": (lambda v: v <= MAX_BATCH,
                                     f"must be at most {MAX_BATCH:,} micro-batches per step; {_TYPO}"),

@@ -19,6 +19,7 @@ changed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +35,21 @@ from relaytune.log import info, notice, warn
 
 VERSION = 3  # bump when tokenization changes in a way the key does not capture
 KEEP = 3  # entries kept: the current one and the two most recently used others
+FILES = ("tokens.safetensors", "table.json", "origins.json")
+
+_sources: list[Path] = []  # other runs' data-cache folders to read on a miss (a relay), never written
+
+
+@contextlib.contextmanager
+def reading_from(roots: list[Path]):
+    """Within: a missing entry is looked up in these caches (another run's, perhaps read-only) and,
+    found intact, copied into this run's own cache instead of tokenizing again."""
+    before = list(_sources)
+    _sources[:] = [Path(r) for r in roots]
+    try:
+        yield
+    finally:
+        _sources[:] = before
 
 
 @dataclass
@@ -151,6 +167,9 @@ def load_or_build(root: Path, parts: dict, build) -> tuple[TokenTable, bool]:
                    "memory without caching")
             return _built(build), False
     else:
+        found = _from_sources(key, entry)
+        if found is not None:
+            return found, True
         info(f"tokenizing the data: {why_miss(root, parts)}")
     table = _built(build)
     try:
@@ -160,6 +179,28 @@ def load_or_build(root: Path, parts: dict, build) -> tuple[TokenTable, bool]:
         notice(f"could not write the data cache in {root} ({e.strerror or e}); tokenized in memory, "
                "continuing without the cache")
     return table, False
+
+
+def _from_sources(key: str, entry: Path) -> TokenTable | None:
+    """The entry from the cache of the run this one continues: read there (nothing written beside it),
+    then committed here too, so later sessions find it in their own folder."""
+    for root in _sources:
+        src = root / key
+        try:
+            if not src.is_dir() or not _readable(src) or verify(src) is not None:
+                continue
+            files = {name: (src / name).read_bytes() for name in FILES}
+            table = _read(src)
+        except Exception:  # a damaged or vanishing source entry is no reason to stop: tokenize
+            continue
+        try:
+            atomic.commit_folder(files, entry, {"kind": "data-cache", "version": VERSION}, points="cache")
+            table.origins_file = entry / "origins.json"
+        except OSError as e:
+            notice(f"could not copy the data cache into {entry.parent} ({e.strerror or e}); using {src} as is")
+        info(f"tokenized data loaded from the cache of the run this one continues ({len(table)} rows, {src})")
+        return table
+    return None
 
 
 def _built(build) -> TokenTable:

@@ -37,7 +37,7 @@ class Heartbeat:
             e["tokens_seen"] = record["tokens_seen"]
         data = read_progress(self.path.parent)
         data[self.key] = e
-        atomic.replace_file(self.path, json.dumps(data, indent=1))
+        atomic.replace_file(self.path, json.dumps(data, indent=1), durable=False)
 
     def rewind(self, step: int) -> None:
         pass  # the furthest step stays: it is what was computed

@@ -16,6 +16,7 @@ from relaytune.plan.advice import (
                                    CheckpointingOff,
                                    changes_when_nothing_fits,
                                    checkpointing_off,
+                                   choose_auto,
                                    fit_status,
                                    largest_micro_batch,
 )
@@ -29,7 +30,7 @@ from relaytune.plan.throughput import estimate_eta, estimate_throughput
 
 __all__ = [
     "FITS", "GIB", "NO_FIT", "TIGHT", "Architecture", "Change", "CheckpointingOff", "Gpu", "MemoryEstimate", "Plan",
-    "Settings", "changes_when_nothing_fits", "checkpointing_off", "estimate_eta", "estimate_memory",
+    "Settings", "changes_when_nothing_fits", "checkpointing_off", "choose_auto", "estimate_eta", "estimate_memory",
     "estimate_throughput", "fit_status", "format_plan", "from_config_dict", "known_ids", "largest_micro_batch",
     "make_plan", "parse_gpu", "resolve_architecture", "settings_from_config",
 ]

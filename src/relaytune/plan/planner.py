@@ -11,6 +11,7 @@ from relaytune.plan.advice import (
     CheckpointingOff,
     changes_when_nothing_fits,
     checkpointing_off,
+    choose_auto,
     fit_status,
     largest_micro_batch,
 )
@@ -91,9 +92,12 @@ def make_plan(cfg, gpu: Gpu, *, arch: Architecture | None = None, rows: int | No
     """
     arch = arch or resolve_architecture(cfg.model)
     settings = settings_from_config(cfg, gpu, labelled_fraction)
-    micro = cfg.per_device_train_batch_size
-    global_batch = micro * cfg.gradient_accumulation_steps
-    gc = bool(cfg.gradient_checkpointing)
+    # `auto` micro-batch / checkpointing: resolved for this card as the trainer would (plan/advice.choose_auto).
+    global_batch = getattr(cfg, "global_batch_size", None) or \
+        cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    micro, gc = choose_auto(arch, settings, gpu, cfg.per_device_train_batch_size, global_batch,
+                            cfg.gradient_checkpointing)
+    micro = micro or 1
     memory = estimate_memory(arch, settings, micro, gc)
     best = largest_micro_batch(arch, settings, gpu, global_batch, gc)
     best_any = largest_micro_batch(arch, settings, gpu, global_batch, gc, divisors_only=False)

@@ -73,10 +73,11 @@ def slurm_end_time(env) -> float | None:
 
 
 def _machine_start_time() -> float:
-    """When this machine (container) booted: a Kaggle session starts with its machine."""
+    """When this machine (container) booted: a Kaggle session starts with its machine. A machine up
+    for longer than a session is not a fresh Kaggle container: count from now instead."""
     try:
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime
+        return time.time() - uptime if uptime < KAGGLE_SESSION_SECONDS else time.time()
     except (OSError, ValueError, IndexError):
         return time.time()
 

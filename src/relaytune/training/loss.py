@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from relaytune.data.rows import IGNORE
 from relaytune.training.loss_settings import CHUNK_TOKENS, PLAIN_HEAD
-
-IGNORE = -100
 
 
 def supports_chunked_loss(model) -> bool:

@@ -31,28 +31,9 @@ class Report:
         info("preflight:\n" + "\n".join(f"  {w.ljust(width)}  {v}" for w, v in self.rows))
 
 
-def estimate_model_bytes(cfg: TrainConfig, model_dir: str | None, dtype_bytes: float) -> int | None:
-    """Weights in memory, from the config's shapes and the load dtype (a first estimate)."""
-    try:
-        from transformers import AutoConfig
-
-        mc = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
-        h, layers = mc.hidden_size, mc.num_hidden_layers
-        inter = getattr(mc, "intermediate_size", 4 * h)
-        heads = mc.num_attention_heads
-        kv = getattr(mc, "num_key_value_heads", heads) or heads
-        head_dim = getattr(mc, "head_dim", None) or h // heads
-        attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-        per_layer = attn + 3 * h * inter
-        embed = mc.vocab_size * h * (1 if getattr(mc, "tie_word_embeddings", False) else 2)
-    except Exception:  # an unknown architecture: no estimate rather than a wrong one
-        return None
-    bits = 4.5 if cfg.load_in_4bit else 8 if cfg.load_in_8bit else dtype_bytes * 8
-    return int(layers * per_layer * bits / 8 + embed * dtype_bytes)
-
-
-def check_gpu(report: Report, need_bytes: int | None, env_free: tuple[int, int] | None = None) -> None:
-    """Free and total memory per GPU; name who holds it if far below total."""
+def check_gpu(report: Report, frozen_bytes: int | None, env_free: tuple[int, int] | None = None) -> None:
+    """Free and total memory per GPU; name who holds it if far below total; refuse when the model's
+    frozen weights alone (the memory planner's part, training/autobatch.py) exceed GPU 0's free memory."""
     if not torch.cuda.is_available():
         report.add("GPU", "none (training on CPU)")
         return
@@ -67,10 +48,23 @@ def check_gpu(report: Report, need_bytes: int | None, env_free: tuple[int, int] 
         if others > 0.25 * total:
             warn(f"another process holds {others / GIB:.1f} GiB on GPU {i}; if it is a dead run, "
                  "stop it (nvidia-smi lists it); in a notebook, restart the kernel")
-        if need_bytes and i == 0 and need_bytes > free:
+        if frozen_bytes and i == 0 and frozen_bytes > free:
             raise UserError(
-                f"GPU {i} has {free / GIB:.1f} GiB free; the model alone needs about "
-                f"{need_bytes / GIB:.1f} GiB. Free the GPU (see above), or use load_in_4bit: true")
+                f"GPU {i} has {free / GIB:.1f} GiB free; the model's weights alone need about "
+                f"{frozen_bytes / GIB:.1f} GiB. Free the GPU (see above), or use load_in_4bit: true")
+
+
+def memory_rows(report: Report, estimate, micro_batch: int, gradient_checkpointing: bool) -> None:
+    """The planner's peak on this GPU at the micro-batch and checkpointing in force (was a weights-only figure)."""
+    if not torch.cuda.is_available():
+        return
+    if estimate is None:
+        report.add("memory", "not planned (the planner does not know this model)")
+        return
+    report.add("memory", f"peak {estimate.total_allocated / GIB:.2f} GiB allocated, "
+                         f"{estimate.total_reserved / GIB:.2f} GiB on the card (planned at micro-batch {micro_batch}, "
+                         f"checkpointing {'on' if gradient_checkpointing else 'off'}); "
+                         f"frozen weights {estimate.parts['frozen weights'] / GIB:.2f} GiB")
 
 
 def predicted_checkpoint_bytes(model, cfg: TrainConfig) -> int:

@@ -3,18 +3,26 @@
 The loss of each micro-batch is its summed token loss divided by the target tokens of the
 *whole* global batch, so the accumulated gradient is the same whatever the micro-batch size:
 that is what lets an OOM halve the micro-batch without changing the maths.
+
+With several processes each rank takes a contiguous share of the global batch (World.share),
+still divides by the target tokens of the whole global batch (every rank knows every row), and
+the ranks' gradients are summed (World.sum_grads) once they agree that nobody ran out of memory:
+W ranks x micro-batch m and 1 rank x W*m train the same rows with the same maths, up to the
+order of float summation. With one process none of that runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from relaytune import faults
 from relaytune.data.batches import count_targets, micro_batches
+from relaytune.distributed import agree
+from relaytune.distributed.world import World, current
 from relaytune.model import Precision
 from relaytune.training.loss import causal_lm_loss, supports_chunked_loss
 
@@ -29,6 +37,7 @@ class StepParts:
     precision: Precision
     pad_id: int
     max_grad_norm: float
+    world: World = field(default_factory=current)  # one process unless the recipe joined a group
 
     def __post_init__(self):
         self.chunked = supports_chunked_loss(self.model)
@@ -44,7 +53,9 @@ class StepResult:
 
 def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: int) -> StepResult:
     """Forward and backward over every micro-batch of one global batch, then one update."""
-    n_targets = count_targets(rows)
+    n_targets = count_targets(rows)  # of the whole global batch, on every rank
+    if parts.world.distributed:
+        return _distributed_step(parts, parts.world.share(rows), n_targets, micro_batch_size, step)
     autocast = (torch.autocast(parts.precision.device.type, dtype=parts.precision.autocast)
                 if parts.precision.autocast else contextlib.nullcontext())
     total_loss = torch.zeros((), device=parts.precision.device)
@@ -61,12 +72,42 @@ def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: in
     return _update(parts, total_loss)
 
 
+def _distributed_step(parts: StepParts, mine: list, n_targets: int, micro_batch_size: int,
+                      step: int) -> StepResult:
+    """This rank's share, then agreement on OOM, then the ranks' gradients summed, then the
+    same update on every rank (their gradients, hence weights and optimizer states, are equal)."""
+    world = parts.world
+    autocast = (torch.autocast(parts.precision.device.type, dtype=parts.precision.autocast)
+                if parts.precision.autocast else contextlib.nullcontext())
+    total_loss = torch.zeros((), device=parts.precision.device)
+    oom: torch.OutOfMemoryError | None = None
+    try:
+        for i, batch in enumerate(micro_batches(mine, micro_batch_size, parts.pad_id)):
+            batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
+            if faults.oom_now(step, i):
+                raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
+            with autocast:
+                loss = causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked)
+            if i == 0 and faults.nan_now(step):
+                loss = loss * float("nan")
+            (parts.scaler.scale(loss) if parts.scaler else loss).backward()
+            total_loss += loss.detach().float()
+    except torch.OutOfMemoryError as e:
+        oom = e
+    if agree.any_oom(world, oom is not None):  # every rank redoes the step with half the micro-batch
+        parts.optimizer.zero_grad(set_to_none=True)
+        del total_loss
+        raise oom or torch.OutOfMemoryError(f"out of memory on another rank at step {step + 1}")
+    world.sum_grads(parts.params)
+    return _update(parts, total_loss)
+
+
 def _update(parts: StepParts, total_loss: torch.Tensor) -> StepResult:
     if parts.scaler:
         parts.scaler.unscale_(parts.optimizer)
     limit = parts.max_grad_norm if parts.max_grad_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parts.params, limit)
-    loss_value, norm_value = total_loss.item(), norm.item()
+    loss_value, norm_value = agree.step_numbers(parts.world, total_loss.item(), norm.item())
     updated = math.isfinite(loss_value) and math.isfinite(norm_value)
     if parts.scaler:
         parts.scaler.step(parts.optimizer)  # skips by itself on inf/nan gradients

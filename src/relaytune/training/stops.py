@@ -2,13 +2,16 @@
 
 - `StopRequest`: SIGTERM/SIGINT/SIGUSR1/SIGHUP only set a flag; the loop checks
   it after each optimizer step, saves and exits 75. A second signal within a few
-  seconds abandons the step in progress (exit 75, nothing saved).
+  seconds abandons the step in progress (exit 75, nothing saved). With several processes
+  (ranks) a step cannot be abandoned by one rank alone (the others would wait in a collective),
+  so there every signal stops after the step, with a checkpoint, on every rank together.
 - `Deadline`: from `time_limit` (or the environment), says when there is no
   longer time for one more step plus a save, using measured durations.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -46,17 +49,31 @@ class StopRequest:
         self.committed = False  # the stop checkpoint is committed: nothing but exit 75 is left
         self.eta = None  # () -> seconds until the stop, or None
         self.last_checkpoint = None  # () -> name of the newest committed checkpoint, or None
+        # One of several ranks (RANK/WORLD_SIZE set): no abandoning; the launcher also forwards the
+        # signal the process group already got, so a repeat within a second is the same request.
+        self.several = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE") or 1) > 1
         self._previous: dict = {}
 
+    @classmethod
+    def adopt(cls) -> StopRequest:
+        """The request whose handlers are installed already (a worker installs them before its
+        set-up, so that an early signal is kept), or a new one."""
+        return _installed if _installed is not None else cls()
+
     def install(self) -> StopRequest:
+        global _installed
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            _installed = self
         return self
 
     def uninstall(self) -> None:
+        global _installed
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous and _installed is self:
+            _installed = None
         self._previous = {}
 
     def __enter__(self) -> StopRequest:
@@ -70,8 +87,13 @@ class StopRequest:
         now = time.monotonic()
         if self.signal_name is None:
             self.signal_name, self.at = name, now
-            _say(f"{name} received: stopping after this step{self._when()}, with a checkpoint; "
-                 f"send it again within {self.ABANDON_WINDOW:.0f} s to stop at once without saving")
+            _say(f"{name} received: stopping after this step{self._when()}, with a checkpoint"
+                 + ("" if self.several else f"; send it again within {self.ABANDON_WINDOW:.0f} s to stop at "
+                                            "once without saving"))
+        elif self.several:
+            if now - self.at > 1.0:
+                _say(f"{name} received again: with several processes every rank stops after this step, "
+                     "with a checkpoint")
         elif self.committed:
             _say(f"{name} received again: the stop checkpoint is already committed; exiting")
         elif self.saving:
@@ -98,6 +120,9 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+
+_installed: StopRequest | None = None  # the request whose handlers are in place
 
 
 def _say(message: str) -> None:

@@ -19,26 +19,38 @@ from tqdm.auto import tqdm
 
 from relaytune import faults
 from relaytune.checkpoint import Checkpointer, Live, TrainState
+from relaytune.checkpoint.load import Damaged, Loaded
 from relaytune.checkpoint.resume import check_compatible
-from relaytune.checkpoint.state import capture_rng, progress_of, read_trainer_state, recovery_of, reset_rng
+from relaytune.checkpoint.state import capture_rng, nonfinite, progress_of, recovery_of, reset_rng
 from relaytune.config import TrainConfig
 from relaytune.data import prepare_data
 from relaytune.data.batches import DataOrder, total_steps
 from relaytune.data.packing import check_isolation
+from relaytune.distributed import agree, world
 from relaytune.errors import StoppedEarly, TrainingDiverged, UserError
 from relaytune.log import info, notice, warn
-from relaytune.model import choose_precision, load_model, load_tokenizer, resolve_source
+from relaytune.model import choose_precision, enable_checkpointing, load_model, load_tokenizer, resolve_source
 from relaytune.observe.metrics import MetricsLog, SessionLog, parse_records
 from relaytune.observe.trackers import open_trackers
 from relaytune.run_dir import RunDir
+from relaytune.training import autobatch
 from relaytune.training.environment import time_budget, warn_storage
 from relaytune.training.evaluation import eval_loss
 from relaytune.training.optim import build_optimizer, build_scheduler, warmup_steps
-from relaytune.training.preflight import Report, check_disk, check_gpu, estimate_model_bytes, predicted_checkpoint_bytes
-from relaytune.training.recovery import (NoSmallerBatch, Recovery, free_memory, is_bad_step, lower_learning_rate,
-                                         oom_advice, shrink_after_oom)
+from relaytune.training.preflight import Report, check_disk, check_gpu, memory_rows, predicted_checkpoint_bytes
+from relaytune.training.recovery import (
+    NoSmallerBatch,
+    Recovery,
+    free_memory,
+    is_bad_step,
+    lower_learning_rate,
+    oom_advice,
+    shrink_after_oom,
+)
 from relaytune.training.step import StepParts, StepResult, optimizer_step
-from relaytune.training.stops import StopRequest
+from relaytune.training.stops import Abandoned, StopRequest
+
+MAX_ROLLBACKS = 5  # rollbacks in one session before the run stops with a diagnosis
 
 
 @dataclass
@@ -50,6 +62,8 @@ class LogWindow:
 
 
 class Trainer:
+    world = world.World()  # one process unless __init__ finds a process group (world.current())
+
     def __init__(self, cfg: TrainConfig, run: RunDir):
         self.cfg = cfg
         self.run = run
@@ -60,6 +74,9 @@ class Trainer:
         self.step_seconds = 0.0
         self.bar = None
         self.trackers = None
+        self.stop: StopRequest | None = None  # set by the recipe: the signal flag, held for the whole run
+        self.rollbacks: list[tuple[int, int]] = []  # (step rolled back to, step that failed), this session
+        self.world = world.current()  # rank and world size; one process: every helper is a no-op
 
     # --- set-up ----------------------------------------------------------------------------
     def setup(self, fresh: bool) -> None:
@@ -67,30 +84,58 @@ class Trainer:
         cfg = self.cfg
         self.run.root.mkdir(parents=True, exist_ok=True)
         warn_storage(self.run.root)
-        start_from = self.checkpointer.resume_point(fresh)
+        # Rank 0 alone cleans up and chooses the checkpoint; every rank gets its choice.
+        start_from = self.world.decide(lambda: self.checkpointer.resume_point(fresh))
         self.precision = choose_precision(cfg)
         self.deadline = time_budget(cfg)
         report = Report()
         report.add("time", self.deadline.describe())
-        source = resolve_source(cfg)
-        self.tokenizer = load_tokenizer(cfg, source)
-        self.data = prepare_data(cfg, self.tokenizer)
+        with self.world.rank0_first():  # rank 0 fills the caches (model decoding, tokenization); the others read
+            source = resolve_source(cfg)
+            self.tokenizer = load_tokenizer(cfg, source)
+            from relaytune.data.cache import reading_from  # a relayed run reads its source's cache (read only)
+            with reading_from(self.checkpointer.relay_caches()):
+                self.data = prepare_data(cfg, self.tokenizer)
+        start_from = self.world.decide(lambda: self.checkpointer.relay_pick(start_from, self.data.fingerprint))
         self.order = DataOrder(len(self.data.train), cfg.global_batch_size, cfg.seed)
         self.total = total_steps(len(self.data.train), cfg.global_batch_size, cfg.num_train_epochs, cfg.max_steps)
         self._check_schedule()
-        saved = read_trainer_state(start_from) if start_from else None
-        if saved:
-            self._check_resumable(saved)
-        check_gpu(report, estimate_model_bytes(cfg, source.path if not source.gguf_file else None,
-                                               torch.finfo(self.precision.dtype).bits / 8))
+        loaded = self._load_agreed(start_from)
+        # `auto` micro-batch / checkpointing planned for this GPU (or kept from the checkpoint if made on it)
+        self.auto = autobatch.choose(cfg, loaded.state if loaded else None,
+                                     source.path if not source.gguf_file else None)
+        check_gpu(report, self.auto.frozen_bytes)
         self._build(source, report)
-        self._start(start_from, saved)
+        self._start(loaded)
 
     def _check_schedule(self) -> None:
         warmup = warmup_steps(self.cfg, self.total)
-        if warmup >= self.total:
-            raise UserError(f"warmup ({warmup} steps) is not shorter than the run "
-                            f"({self.total} steps); lower warmup_steps / warmup_ratio")
+        if warmup >= self.total:  # Hugging Face's Trainer accepts this too; the schedule handles it
+            warn(f"warmup ({warmup} steps) is not shorter than the run ({self.total} steps): the learning "
+                 "rate never reaches its peak; training goes on as configured, as Hugging Face's Trainer does")
+
+    def _load_resumable(self, path: Path | None) -> Loaded | None:
+        """The checkpoint to continue from, read and parsed (a damaged one is set aside and the one
+        before it taken), and checked against the config: a changed config is the user's call (exit 2)."""
+        loaded = self.checkpointer.load(path)
+        if loaded is not None:
+            self._check_resumable(loaded.state)
+        return loaded
+
+    def _load_agreed(self, path: Path | None) -> Loaded | None:
+        """_load_resumable on rank 0 (which may set a damaged checkpoint aside); the other ranks
+        then read the very checkpoint it took, so every rank continues from the same step."""
+        if not self.world.distributed:
+            return self._load_resumable(path)
+        mine = self._load_resumable(path) if self.world.is_main else None
+        chosen = self.world.share_object(str(mine.path) if mine is not None else None)
+        if self.world.is_main or chosen is None:
+            return mine
+        from relaytune.checkpoint.load import load
+
+        loaded = load(Path(chosen))
+        self._check_resumable(loaded.state)
+        return loaded
 
     def _check_resumable(self, saved: dict) -> None:
         check_compatible(saved["config"], self.cfg, self.data.fingerprint, saved["data_fingerprint"])
@@ -104,7 +149,9 @@ class Trainer:
         """The model with its adapter, the optimizer, schedule and scaler; then the disk check."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the LoRA initialisation; a resume overwrites it
-        model = load_model(cfg, self.precision, source)
+        auto = self.auto
+        resolved = cfg.model_copy(update={"gradient_checkpointing": auto.gradient_checkpointing})
+        model = load_model(resolved, self.precision, source)
         if cfg.packing and (why := check_isolation(model)):
             raise UserError(f"`packing`: {why}; set packing: false")
         optimizer = build_optimizer(cfg, model)
@@ -113,26 +160,45 @@ class Trainer:
         self.live = Live(model, optimizer, scheduler, scaler)
         self.parts = StepParts(model, optimizer, scaler, self.precision, self.tokenizer.pad_token_id,
                                cfg.max_grad_norm)
+        autobatch.confirm(auto, self.parts, self.data.train, cfg, enable_checkpointing)
+        for row in autobatch.table_rows(auto, cfg.global_batch_size):
+            report.add(*row)
+        memory_rows(report, auto.estimate, auto.micro_batch, auto.gradient_checkpointing)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # loading (bf16 shards before quantizing) is not training
         per_checkpoint = predicted_checkpoint_bytes(model, cfg)
         check_disk(report, self.run.root, per_checkpoint, cfg, per_checkpoint // 3)
         report.print()
 
-    def _start(self, start_from: Path | None, saved: dict | None) -> None:
-        """Restore the checkpoint (or take the state to roll back to), open the logs."""
+    def _start(self, loaded: Loaded | None) -> None:
+        """Restore the checkpoint (or take the state to roll back to), open the logs.
+
+        A checkpoint that does not fit the live objects, or fails to go in, is set aside and the one
+        before it restored instead; applying is all or nothing (checkpoint/load.py), so the live
+        objects are never left half restored, and with none left the run starts fresh."""
         cfg = self.cfg
-        self.metrics = MetricsLog(self.run.metrics)
-        self.recovery = Recovery(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-        if start_from:
-            self._restore(start_from)
-            self.metrics.reset_to((start_from / "metrics.jsonl").read_text())
-            self._follow_micro_batch_setting(saved["config"]["per_device_train_batch_size"])
+        main = self.world.is_main  # only rank 0 writes metrics.jsonl, sessions.jsonl and the trackers
+        self.metrics = MetricsLog(self.run.metrics) if main else world.Silent()
+        micro = self.auto.micro_batch  # the configured micro-batch, or the one `auto` chose
+        self.recovery = Recovery(micro, math.ceil(cfg.global_batch_size / micro))
+        while loaded is not None:
+            try:
+                self._restore(loaded)
+                break
+            except Damaged as e:
+                loaded = self._load_resumable(self.checkpointer.give_up_on(loaded.path, str(e)))
+        start_from = loaded.path if loaded else None
+        if loaded:
+            self.metrics.reset_to(loaded.metrics)
+            self._follow_micro_batch_setting(loaded.state["config"]["per_device_train_batch_size"],
+                                             loaded.state.get("auto_choice"))
         else:
             self.metrics.reset_to("")
-        self.sessions = SessionLog(self.run.sessions)
+        self.sessions = SessionLog(self.run.sessions) if main else world.Silent()
         self.sessions.start(from_step=self.state.step, total_steps=self.total)
-        self.trackers = open_trackers(cfg, self.run.root, self.state.step, self.sessions.session)
+        self.trackers = open_trackers(cfg, self.run.root, self.state.step, self.sessions.session) if main \
+            else world.Silent()
+        self.world.broadcast_params([p for p in self.live.model.parameters() if p.requires_grad])
         self.metrics.add_sink(self.trackers)
         info(f"{len(self.data.train)} training rows, global batch {cfg.global_batch_size}, "
              f"{self.total} steps; starting at step {self.state.step}; {self.precision.device} "
@@ -140,15 +206,19 @@ class Trainer:
         # The rollback point for repeated NaNs when no checkpoint exists yet.
         self.initial_state = self.snapshot() if not start_from else None
 
-    def _follow_micro_batch_setting(self, saved_micro_batch: int) -> None:
-        """Keep a micro-batch that an OOM forced down; otherwise follow the (harmless) new setting."""
-        r, configured = self.recovery, self.cfg.per_device_train_batch_size
-        was_forced = r.micro_batch_size < saved_micro_batch
+    def _follow_micro_batch_setting(self, saved_micro_batch: int | str, saved_auto: dict | None = None) -> None:
+        """Keep a micro-batch that an OOM forced down; otherwise follow the (harmless) new setting.
+        A fresh `auto` choice (a new GPU, or auto newly set) holds as chosen; one kept from the checkpoint
+        counts as the saved setting."""
+        r, configured, auto = self.recovery, self.auto.micro_batch, self.auto
+        if saved_micro_batch == "auto":
+            saved_micro_batch = (saved_auto or {}).get("micro_batch_size", r.micro_batch_size)
+        was_forced = r.micro_batch_size < saved_micro_batch and not (auto.auto_micro and not auto.from_checkpoint)
         r.micro_batch_size = min(r.micro_batch_size, configured) if was_forced else configured
         r.accumulation = math.ceil(self.cfg.global_batch_size / r.micro_batch_size)
 
-    def _restore(self, source: Path | dict) -> None:
-        saved = self.checkpointer.restore(source, self.live)
+    def _restore(self, loaded: Loaded) -> None:
+        saved = self.checkpointer.restore(loaded, self.live)
         self.state = progress_of(saved)
         extra = recovery_of(saved)
         self.recovery = Recovery(**{k: extra[k] for k in Recovery.__dataclass_fields__})
@@ -162,29 +232,71 @@ class Trainer:
         state = {"progress": asdict(self.state), "recovery": asdict(self.recovery),
                  "log_window": asdict(self.window), "config": self.cfg.model_dump(mode="json"),
                  "data_fingerprint": self.data.fingerprint, "total_steps": self.total,
-                 "torch_threads": torch.get_num_threads()}
+                 "torch_threads": torch.get_num_threads(), "auto_choice": self.auto.record(),
+                 "world_size": self.world.size}
         return snapshot(self.live, state, self.metrics.text(), include_optimizer=not self.cfg.save_only_model)
 
     # --- the loop --------------------------------------------------------------------------
     def run_loop(self) -> None:
         """One global batch per optimizer step; log, evaluate, checkpoint; stop on a signal or the deadline."""
         self.live.model.train()
-        self.bar = tqdm(total=self.total, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True)
-        with StopRequest() as stop:
+        self.bar = tqdm(total=self.total, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not self.world.is_main)
+        own = self.stop is None  # the Python API's Trainer used on its own: handlers for the loop only
+        stop = self.stop = self.stop or StopRequest()
+        stop.eta = self._seconds_to_stop
+        hooks = [m.register_forward_pre_hook(stop.check) for m in safe_points(self.live.model)]
+        self.step_started = time.monotonic()
+        try:
+            stop.install()
             while self.state.step < self.total:
-                t0 = time.monotonic()
-                rows = [self.data.train[i] for i in self.order.batch_rows(self.state.step)]
+                t0 = self.step_started = time.monotonic()
+                ids = self.order.batch_rows(self.state.step)
+                faults.rows_trained(self.state.step, self.world.rank, self.world.share(ids))
+                rows = [self.data.train[i] for i in ids]
                 result = self.step(rows)
                 if not self.record(result, rows, t0):
                     continue  # rolled back to a checkpoint: the steps after it are redone
                 self.maybe_evaluate()
                 faults.step_ended()
-                if stop.requested or self.deadline.must_stop(self.step_seconds, self.checkpointer.save_seconds):
+                stop.check()  # a second signal during this step: leave without saving it
+                if self.world.distributed:  # a stop on any rank stops every rank at this step boundary
+                    self.agreed_stop(stop)
+                elif stop.requested or self.deadline.must_stop(self.step_seconds, self.checkpointer.save_seconds):
                     self.stop_and_save(stop)
                 self.maybe_save()
+        except Abandoned:
+            self.abandon_step(stop)
+        finally:
+            for h in hooks:
+                h.remove()
+            if own:
+                stop.uninstall()
+
+    def agreed_stop(self, stop: StopRequest) -> None:
+        """Several ranks: one tiny all-reduce of every rank's reasons to stop (a signal, the
+        deadline, checkpoints failing on rank 0); any reason stops them all here, together."""
+        flags = agree.stop_flags(
+            self.world, stop.requested,
+            self.deadline.must_stop(self.step_seconds, self.checkpointer.save_seconds),
+            self.world.is_main and self.checkpointer.failing())
+        if flags.disk:
+            self.checkpointer.raise_if_failing(self.state.step, force=True)
+        if flags.any:
+            self.stop_and_save(stop, signal=flags.signal)
+
+    def _seconds_to_stop(self) -> float | None:
+        if not self.step_seconds:
+            return None
+        left = max(0.0, self.step_seconds - (time.monotonic() - self.step_started))
+        return left + self.checkpointer.save_seconds
 
     def step(self, rows: list) -> StepResult:
         """One optimizer step; an OOM redoes it from the same RNG state with half the micro-batch."""
+        if self.world.distributed:
+            # Each rank's dropout stream is a function of (seed, step, rank): the same for the same
+            # world size whatever was killed and resumed; no per-rank RNG state to checkpoint.
+            torch.manual_seed(hash((self.cfg.seed, self.state.step, self.world.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
         step_rng = capture_rng()
         while True:
             try:
@@ -220,6 +332,10 @@ class Trainer:
         else:
             self.recovery.consecutive_bad_steps = 0
             self.window.window_loss += result.loss
+        if self.live.scaler is not None and math.isfinite(result.loss) and not math.isfinite(result.grad_norm):
+            # fp16: the scaler skipped this update and halved its scale (routine, not a bad step): logged, counted
+            self.scaler_skips = getattr(self, "scaler_skips", 0) + 1
+            self.metrics.write({"step": self.state.step, "event": "scaler_skip", "scale": self.live.scaler.get_scale()})
         self.window.window_steps += 1
         if self.state.step % self.cfg.logging_steps == 0 or self.state.step == self.total:
             self._log_window(lr, result.grad_norm, tok_s)
@@ -229,10 +345,15 @@ class Trainer:
 
     def _log_window(self, lr: float, grad_norm: float, tok_s: float) -> None:
         s, w = self.state, self.window
+        if getattr(self, "mfu_meter", None) is None:  # FLOPs per token counted once; {} on the CPU
+            from relaytune.training.mfu import MfuMeter
+
+            self.mfu_meter = MfuMeter(self.live.model, self.cfg.max_seq_length, self.precision)
         self.metrics.write({"step": s.step, "loss": round(w.window_loss / w.window_steps, 6),
                             "learning_rate": lr, "grad_norm": grad_norm,
                             "epoch": round(s.step / self.order.steps_per_epoch, 4),
-                            "tokens_seen": s.tokens_seen, "tokens_per_second": round(tok_s, 1), **peak_memory()})
+                            "tokens_seen": s.tokens_seen, "tokens_per_second": round(tok_s, 1),
+                            **self.mfu_meter.fields(tok_s), **peak_memory()})
         self.window = LogWindow()
 
     def maybe_evaluate(self) -> None:
@@ -253,28 +374,56 @@ class Trainer:
         self.metrics.write({"step": s.step, "eval_loss": round(value, 6)})
         return value
 
+    def unsafe_to_save(self) -> str | None:
+        """Why the live state must not become a checkpoint (a non-finite weight or optimizer state:
+        a rollback would land on it for ever), logged as an event; None if it is safe."""
+        why = nonfinite(self.live)
+        if why is not None:
+            warn(f"not saving a checkpoint at step {self.state.step}: {why} is not finite "
+                 "(the last committed checkpoint stays the one to return to)")
+            self.metrics.write({"step": self.state.step, "event": "checkpoint_skipped", "reason": f"non-finite {why}"})
+        return why
+
     def maybe_save(self) -> None:
         step = self.state.step
-        if self.checkpointer.due(step, self.total):
-            self.checkpointer.save(self.snapshot, step)
-            self.metrics.write({"step": step, "event": "checkpoint",
-                                "blocked_seconds": round(self.checkpointer.blocked_seconds, 4)})
-        self.checkpointer.raise_if_failing(step)
+        # Rank 0 alone snapshots and commits: every rank holds the same adapter and optimizer state
+        # at this step boundary (their summed gradients are equal), so rank 0's copy is the run's.
+        if self.world.is_main and self.checkpointer.due(step, self.total):
+            if not self.unsafe_to_save():
+                self.checkpointer.save(self.snapshot, step)
+                self.metrics.write({"step": step, "event": "checkpoint",
+                                    "blocked_seconds": round(self.checkpointer.blocked_seconds, 4)})
+        if not self.world.distributed:  # several ranks: agreed in agreed_stop, before the next save
+            self.checkpointer.raise_if_failing(step)
 
     # --- recovery and stopping ---------------------------------------------------------------
     def roll_back(self) -> None:
         """Repeated non-finite steps: return to the last committed state, then lower the LR or stop."""
         cfg, bad_at, before = self.cfg, self.state.step, self.recovery
         skipped = self.state.skipped_steps
-        path = self.checkpointer.rollback_point()
-        self._restore(path if path is not None else self.initial_state)
+        if self.world.distributed:  # every rank must see the same committed checkpoints: none in flight
+            if self.world.is_main:
+                self.checkpointer.flush()
+            self.world.barrier()
+        streak_began = bad_at - before.consecutive_bad_steps + 1
+        # A rollback whose state fails again before getting past the failure that led to it: that
+        # state is no good, so step back further (an older checkpoint, then the start), or stop.
+        bound = self.rollbacks[-1][0] if self.rollbacks and streak_began <= self.rollbacks[-1][1] else None
+        if len(self.rollbacks) >= MAX_ROLLBACKS:
+            self._diverged(bad_at, f"after {len(self.rollbacks)} rollbacks in this session")
+        loaded = self._rollback_target(bound)
+        if loaded is None:
+            self._diverged(bad_at, "after rolling back to every earlier state" if self.rollbacks else
+                           "and there is no earlier state to return to")
+        self._restore(loaded)
+        self.rollbacks.append((self.state.step, bad_at))
         # Step records after the rollback point are redone; the events that led here are kept.
         events = [r for r in parse_records(self.metrics.text()) if "event" in r and r["step"] > self.state.step]
-        self.metrics.reset_to((path / "metrics.jsonl").read_text() if path else "")
+        self.metrics.reset_to(loaded.metrics)
         for record in events:
             self.metrics.write(record)
         self.state.skipped_steps = skipped
-        where = path.name if path else "the start"
+        where = loaded.where
         if cfg.on_repeated_nan == "stop":
             self.metrics.write({"step": self.state.step, "event": "nan_stop", "bad_steps_until": bad_at})
             raise TrainingDiverged(
@@ -290,19 +439,67 @@ class Trainer:
         warn(f"{cfg.max_bad_steps} non-finite steps in a row (up to step {bad_at}): rolled back to {where} "
              f"and continue with the learning rate x{new_scale:g}")
 
+    def _rollback_target(self, before: int | None) -> Loaded | None:
+        """The newest valid checkpoint (older than step `before`, if given), read and checked; a
+        damaged one is set aside and the one before it taken; then the start of this session's
+        run, if it began fresh; None when nothing is left."""
+        path = self.checkpointer.rollback_point(before)
+        while path is not None:
+            try:
+                loaded = self.checkpointer.load(path)  # (set aside and fall back inside, if damaged)
+                if loaded is not None and (before is None or loaded.state["progress_step"] < before):
+                    from relaytune.checkpoint.load import check_fits
+
+                    check_fits(loaded, self.live)
+                    return loaded
+                path = self.checkpointer.rollback_point(before)
+            except Damaged as e:
+                path = self.checkpointer.give_up_on(path, str(e), before=before)
+        if self.initial_state is not None and (before is None or before > 0):
+            from relaytune.checkpoint.load import load
+
+            return load(self.initial_state, where="the start")
+        return None
+
+    def _diverged(self, bad_at: int, how: str) -> None:
+        path = self.checkpointer.rollback_point()
+        self.metrics.write({"step": self.state.step, "event": "nan_stop", "bad_steps_until": bad_at,
+                            "rollbacks": len(self.rollbacks)})
+        raise TrainingDiverged(
+            f"{self.cfg.max_bad_steps} steps in a row had a non-finite loss or gradient (up to step {bad_at}) "
+            f"{how}; training cannot go on as configured, and re-running will stop the same way. "
+            f"{'The checkpoints (newest ' + path.name + ') are kept' if path else 'No checkpoint is committed'}. "
+            "Likely causes: "
+            f"a learning rate too high (now {self.cfg.learning_rate}), fp16 overflow (use bf16 where the GPU "
+            "has it), or bad data rows.")
+
     def stop_after_oom(self) -> None:
         advice = oom_advice(self.cfg)
-        path = self.checkpointer.save(self.snapshot, self.state.step, wait=True)
+        step = self.state.step
+        path = self.world.decide(lambda: self.checkpointer.save(self.snapshot, step, wait=True))
         if path is None:
             raise TrainingDiverged(advice)
         raise StoppedEarly(f"{advice}\nCheckpoint {path.name} is committed", self.state.step, str(path), how="oom")
 
-    def stop_and_save(self, stop: StopRequest) -> None:
-        why = stop.signal_name or f"time limit ({self.deadline.source})"
-        how = "signal" if stop.signal_name else "time_limit"
+    def stop_and_save(self, stop: StopRequest, signal: bool | None = None) -> None:
+        """Save and stop (exit 75). Several ranks: every rank arrives here at the same step (agreed),
+        rank 0 commits the one checkpoint and every rank learns its path."""
+        signal = bool(stop.signal_name) if signal is None else signal
+        why = (stop.signal_name or "a signal on another rank") if signal else f"time limit ({self.deadline.source})"
+        how = "signal" if signal else "time_limit"
         began = stop.at or time.monotonic()
-        path = self.checkpointer.save(self.snapshot, self.state.step, since=began, wait=True)
         step = self.state.step
+        stop.saving = True
+        if self.unsafe_to_save():
+            self.checkpointer.flush()
+            last = self.checkpointer.rollback_point()
+            intact = f"the run is intact at {last.name}" if last else "no checkpoint is committed"
+            raise StoppedEarly(f"stopped by {why} at step {step} without a new checkpoint (the state is not "
+                               f"finite); {intact}",
+                               step, str(last) if last else None, how=how)
+        # `since`: the cost of a stop is measured from the request (the signal), not from the save.
+        path = self.world.decide(lambda: self.checkpointer.save(self.snapshot, step, since=began, wait=True))
+        stop.committed = path is not None
         if path is None:
             raise StoppedEarly(f"stopped by {why} at step {step}, but the checkpoint could not be written",
                                step, None, how=how)
@@ -310,12 +507,24 @@ class Trainer:
              "the request; run the same command to continue")
         raise StoppedEarly(f"stopped by {why} at step {step}", step, str(path), how=how)
 
+    def abandon_step(self, stop: StopRequest) -> None:
+        """A second signal during a step: leave it unsaved; the newest committed checkpoint stands."""
+        self.live.optimizer.zero_grad(set_to_none=True)
+        self.checkpointer.flush()  # a background save already under way is let finish: it is a whole step
+        last = self.checkpointer.rollback_point()
+        stop.committed = True
+        where = f"the last committed checkpoint, {last.name}, is intact" if last else "no checkpoint is committed yet"
+        info(f"stopped by a second {stop.signal_name} during step {self.state.step + 1}: that step is abandoned "
+             f"unsaved; {where}; run the same command to continue")
+        raise StoppedEarly(f"stopped by {stop.signal_name} during step {self.state.step + 1} (abandoned); {where}",
+                           self.state.step, str(last) if last else None, how="signal")
+
     # --- the end -----------------------------------------------------------------------------
     def finish(self) -> Path:
         """The last evaluation, best/, final/; the session is recorded as finished."""
         if self.data.eval:
             self.evaluate()
-        final = self.checkpointer.finish(self.live, self.state)
+        final = self.world.decide(lambda: self.checkpointer.finish(self.live, self.state))  # rank 0 commits final/
         self.metrics.write({"step": self.state.step, "event": "finished", "skipped_steps": self.state.skipped_steps})
         self.sessions.end("finished", self.state.step)
         self.checkpointer.drain_mirror()
@@ -351,3 +560,11 @@ def peak_memory() -> dict:
     if not torch.cuda.is_available():
         return {}
     return {"peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+
+
+def safe_points(model) -> list:
+    """Where a step may be abandoned: before the forward of the model and of each of its layers (the
+    elements of its longest ModuleList), so a long step is left within one layer's time."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    layers = list(max(lists, key=len)) if lists else []
+    return [model, *layers]

@@ -1,0 +1,327 @@
+"""Where relaytune's peak GPU memory goes: a CUDA memory-history recording, attributed at the peak.
+
+Trains a few steps (with one checkpoint save inside them) through `relaytune.train`, with
+torch.cuda.memory._record_memory_history(max_entries=200000) on from before the model loads.
+Then, from torch.cuda.memory._snapshot() (segments/blocks and device_traces):
+  1. every allocation's lifetime is rebuilt from the trace (alloc .. free_requested, which is when
+     torch's allocated-bytes counter drops), and allocated(t) and reserved(t) are replayed;
+  2. the peak of allocated bytes after training starts (the first allocation made from
+     relaytune/training/step.py) is found;
+  3. the blocks live at that moment are grouped by their allocation stacks:
+       frozen weights            allocated before training started, not LoRA parameters
+       LoRA params               pointers of the optimizer's parameters (global step hook)
+       LoRA grads                AccumulateGrad frames, or the optimizer's .grad pointers
+       LoRA optimizer state      torch/optim or bitsandbytes/optim frames, or the optimizer's state pointers
+       checkpoint staging        relaytune/checkpoint/ frames (state.py clones the tensors to save)
+       loss chunks               relaytune/training/loss.py frames (_chunk_loss, and the label gather)
+       recomputed layer          torch/utils/checkpoint.py frames outside the loss: the layer being recomputed
+       saved activations         forward allocations (under step.py) still live: checkpointed layer inputs
+       backward temporaries      allocations with no Python frames (autograd engine): activation grads
+       other                     the rest, with its top call sites
+     plus allocator slack = reserved - allocated at the peak.
+Prints a table in GiB and writes a JSON summary (no pickle is written anywhere).
+
+    python bench/memory_snapshot.py --arch qwen2.5-3b --quant none --batch 4 --out bench/results/memory-qwen3b-lora.json
+    python bench/memory_snapshot.py --arch qwen2.5-3b --quant 4bit --batch 4 --seq 512 --out ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import shutil
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+GIB = 2**30
+CATEGORIES = ["frozen weights", "LoRA params", "LoRA grads", "LoRA optimizer state", "checkpoint staging",
+              "loss chunks", "recomputed layer", "saved activations", "backward temporaries",
+              "allocated before the trace (unknown)", "other"]
+
+
+# --- reading the trace -------------------------------------------------------------------------
+def _files(frames) -> list[str]:
+    return [f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames or []]
+
+
+def _has(frames, text: str) -> bool:
+    return any(text in s for s in _files(frames))
+
+
+def _python_frames(frames) -> list[dict]:
+    return [f for f in frames or [] if str(f.get("filename", "")).endswith(".py")]
+
+
+def lifetimes(trace: list[dict], end_blocks: list[dict]):
+    """[(start_index, end_index, addr, size, frames)] for every block live at some point of the trace.
+
+    start -1: allocated before the trace began; end len(trace): still live at the snapshot.
+    """
+    n = len(trace)
+    live: dict[int, tuple[int, int, list]] = {}
+    pending: set[int] = set()  # free requested, not yet completed
+    out = []
+    for i, e in enumerate(trace):
+        a, addr, size = e.get("action"), e.get("addr"), e.get("size", 0)
+        if a == "alloc":
+            live[addr] = (i, size, e.get("frames") or [])
+        elif a == "free_requested":
+            if addr in live:
+                s, sz, fr = live.pop(addr)
+                out.append((s, i, addr, sz, fr))
+            else:
+                out.append((-1, i, addr, size, []))
+            pending.add(addr)
+        elif a == "free_completed":
+            if addr in pending:
+                pending.discard(addr)
+            elif addr in live:
+                s, sz, fr = live.pop(addr)
+                out.append((s, i, addr, sz, fr))
+            else:
+                out.append((-1, i, addr, size, []))
+    allocated_in_trace = {addr for addr in live}
+    for addr, (s, sz, fr) in live.items():
+        out.append((s, n, addr, sz, fr))
+    for b in end_blocks:  # live at the end, allocated before the trace began
+        if b["address"] not in allocated_in_trace:
+            out.append((-1, n, b["address"], b["size"], b.get("frames") or []))
+    return out
+
+
+def reserved_series(trace: list[dict], reserved_end: int) -> list[int]:
+    """Reserved bytes just after each trace event, replayed backwards from the snapshot's segments."""
+    delta = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+    series = [0] * len(trace)
+    r = reserved_end
+    for i in range(len(trace) - 1, -1, -1):
+        series[i] = r
+        d = delta.get(trace[i].get("action"))
+        if d:
+            r -= d * trace[i].get("size", 0)
+    return series
+
+
+def classify(block, training_start: int, ptrs: dict[str, list[int]]) -> str:
+    start, _, addr, size, frames = block
+
+    def hit(kind):
+        lst = ptrs.get(kind) or []
+        j = bisect.bisect_left(lst, addr)
+        return j < len(lst) and lst[j] < addr + size
+
+    if hit("lora_params"):
+        return "LoRA params"
+    if start >= 0 and start < training_start:
+        return "frozen weights"
+    if start < 0 and not frames:
+        return "allocated before the trace (unknown)"
+    if _has(frames, "relaytune/checkpoint/"):
+        return "checkpoint staging"
+    if hit("optimizer_state") or _has(frames, "torch/optim/") or _has(frames, "bitsandbytes/optim"):
+        return "LoRA optimizer state"
+    if _has(frames, "AccumulateGrad") or hit("grads"):
+        return "LoRA grads"
+    if _has(frames, "relaytune/training/loss.py:_chunk_loss"):
+        return "loss chunks"
+    if _has(frames, "torch/utils/checkpoint.py") and not _has(frames, "relaytune/training/step.py"):
+        return "recomputed layer"
+    if _has(frames, "relaytune/training/loss.py"):
+        # under causal_lm_loss but not in a chunk: the decoder forward, or the label/hidden gather
+        own = [f for f in _python_frames(frames) if "/torch/" not in str(f.get("filename", ""))]
+        if own and own[0].get("name") == "causal_lm_loss":  # allocated by the loss code itself
+            return "loss chunks"
+        return "saved activations"
+    if _has(frames, "relaytune/training/step.py"):
+        return "saved activations"
+    if not _python_frames(frames):
+        return "backward temporaries"
+    return "other"
+
+
+def call_site(frames) -> str:
+    """The innermost Python frame outside torch's own files, for the 'top sites' lists."""
+    py = _python_frames(frames)
+    for f in py:
+        name = str(f.get("filename", ""))
+        if "/torch/" not in name or "/torch/utils/checkpoint.py" in name:
+            return f"{'/'.join(name.split('/')[-3:])}:{f.get('line')} {f.get('name')}"
+    if py:
+        f = py[0]
+        return f"{'/'.join(str(f.get('filename')).split('/')[-3:])}:{f.get('line')} {f.get('name')}"
+    cpp = [f.get("name", "") for f in frames or []][:2]
+    return "C++: " + " < ".join(cpp) if cpp else "(no stack)"
+
+
+def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries: int = 0) -> dict:
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
+    segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
+    end_blocks = [b for s in segments for b in s.get("blocks", []) if b.get("state") == "active_allocated"]
+    reserved_end = sum(s.get("total_size", 0) for s in segments)
+    blocks = lifetimes(trace, end_blocks)
+    n = len(trace)
+    training_start = next((i for i, e in enumerate(trace) if e.get("action") == "alloc"
+                           and _has(e.get("frames"), "relaytune/training/step.py")), 0)
+    # allocated just after event i = sum of blocks with start <= i < end
+    diff = [0] * (n + 2)
+    for s, e, _, size, _ in blocks:
+        diff[s + 1] += size  # s = -1 -> index 0
+        diff[e + 1] -= size
+    allocated, running = [0] * (n + 1), 0
+    for i in range(n + 1):
+        running += diff[i]
+        allocated[i] = running  # allocated[i] = after event i-1 (allocated[0] = before the trace)
+    if n == 0:
+        raise SystemExit("the memory history is empty: was recording on?")
+    window = range(training_start + 1, n + 1)
+    peak_i = max(window, key=lambda i: allocated[i])
+    t = peak_i - 1  # the event at the peak
+    at_peak = [b for b in blocks if b[0] <= t < b[1]]
+    reserved = reserved_series(trace, reserved_end)
+    groups: dict[str, dict] = {c: {"bytes": 0, "blocks": 0, "sites": defaultdict(int)} for c in CATEGORIES}
+    for b in at_peak:
+        g = groups[classify(b, training_start, ptrs)]
+        g["bytes"] += b[3]
+        g["blocks"] += 1
+        g["sites"][call_site(b[4])] += b[3]
+    peak_bytes = allocated[peak_i]
+    peak_reserved = reserved[t] if t < len(reserved) else reserved_end
+    event = trace[t]
+    return {
+        "trace_events": n, "training_starts_at_event": training_start, "peak_event": t,
+        "peak_event_action": event.get("action"), "peak_event_site": call_site(event.get("frames")),
+        "peak_time_us": event.get("time_us"),
+        "peak_allocated_gib": round(peak_bytes / GIB, 3),
+        "reserved_at_peak_gib": round(peak_reserved / GIB, 3),
+        "allocator_slack_gib": round((peak_reserved - peak_bytes) / GIB, 3),
+        "trace_wrapped": bool(max_entries) and n >= max_entries,
+        "training_start_found": training_start > 0,
+        "categories": {c: {"gib": round(g["bytes"] / GIB, 3), "blocks": g["blocks"],
+                           "top_sites": [{"site": k, "gib": round(v / GIB, 3)} for k, v in
+                                         sorted(g["sites"].items(), key=lambda kv: -kv[1])[:8]]}
+                       for c, g in groups.items() if g["blocks"]},
+    }
+
+
+# --- the run ---------------------------------------------------------------------------------------
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="qwen2.5-3b")
+    p.add_argument("--quant", default="none", choices=["none", "4bit"])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps; a checkpoint is saved at --save-at")
+    p.add_argument("--save-at", type=int, default=2)
+    p.add_argument("--optim", default="adamw_torch", choices=["adamw_torch", "paged_adamw_8bit"])
+    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--max-entries", type=int, default=200000)
+    p.add_argument("--stacks", default="python", choices=["all", "python"],
+                   help="python (default, fast); all: C++ frames too (finds AccumulateGrad; symbolizing is slow)")
+    p.add_argument("--out", help="JSON summary path (default: BENCH_WORK/memory-<case>.json)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("memory_snapshot.py needs a GPU: it records CUDA allocator history "
+              "(torch.cuda.memory._record_memory_history), which the CPU has none of. Run it on the H200.",
+              file=sys.stderr)
+        raise SystemExit(2)
+    import vs_trl  # noqa: F401  (registers the extra ARCHS entries)
+    from gpu_bench import WORK, build_model, long_text_data
+
+    import relaytune
+
+    case = f"{args.arch}-{args.quant}-s{args.seq}-b{args.batch}"
+    model = build_model(args.arch)
+    data = long_text_data(args.batch * args.accum * (args.steps + 2), args.seq)
+    out_dir = WORK / "memory" / case
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+    # Pointers of what the optimizer owns, from a global step hook (public API, no relaytune internals).
+    seen: dict[str, set[int]] = {"lora_params": set(), "grads": set(), "optimizer_state": set()}
+
+    def after_step(optimizer, *_):
+        for group in optimizer.param_groups:
+            for q in group["params"]:
+                if q.is_cuda:
+                    seen["lora_params"].add(q.data_ptr())
+                    if q.grad is not None:
+                        seen["grads"].add(q.grad.data_ptr())
+                for v in optimizer.state.get(q, {}).values():
+                    if torch.is_tensor(v) and v.is_cuda:
+                        seen["optimizer_state"].add(v.data_ptr())
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(after_step)
+    cfg = dict(model=str(model), dataset=str(data), output_dir=str(out_dir), max_steps=args.steps,
+               per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
+               max_seq_length=args.seq, gradient_checkpointing=True, bf16=True, optim=args.optim,
+               learning_rate=1e-4, lora_r=16, lora_alpha=32, lora_dropout=args.lora_dropout,
+               lora_target_modules="all-linear", logging_steps=1, save_steps=args.save_at,
+               save_every_seconds=0, report_to="none", dataset_cache=False)
+    if args.quant == "4bit":
+        cfg.update(load_in_4bit=True)
+    device = torch.cuda.current_device()
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks=args.stacks,
+                                             max_entries=args.max_entries)
+    t0 = time.time()
+    try:
+        relaytune.train(cfg)
+    finally:
+        train_seconds = time.time() - t0
+        torch_peak = torch.cuda.max_memory_allocated()
+        t1 = time.time()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        handle.remove()
+    snapshot_seconds = time.time() - t1
+    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    ptrs = {k: sorted(v) for k, v in seen.items()}
+    result = analyse(snap, device, ptrs, args.max_entries)
+    del snap
+    result.update(
+        case=case, arch=args.arch, quant=args.quant, seq=args.seq, batch=args.batch, accum=args.accum,
+        steps=args.steps, checkpoint_at=args.save_at, optim=args.optim, lora_dropout=args.lora_dropout,
+        device=torch.cuda.get_device_name(device), torch=torch.__version__,
+        torch_max_memory_allocated_gib=round(torch_peak / GIB, 3),
+        metrics_peak_memory_gib=max((r.get("peak_memory_gib", 0) for r in records if "loss" in r), default=None),
+        checkpoint_events=[r for r in records if r.get("event") == "checkpoint"],
+        oom_events=[r for r in records if r.get("event") == "oom"],
+        train_seconds=round(train_seconds, 1), snapshot_seconds=round(snapshot_seconds, 1),
+        expandable_segments="expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    )
+    print(f"### memory at the peak: relaytune {case} ({result['device']}, {time.strftime('%Y-%m-%d')})\n")
+    print("| part | GiB | blocks | largest call site |\n|---|---|---|---|")
+    for c in CATEGORIES:
+        g = result["categories"].get(c)
+        if g:
+            top = g["top_sites"][0]["site"] if g["top_sites"] else ""
+            print(f"| {c} | {g['gib']:.3f} | {g['blocks']} | `{top}` |")
+    print(f"| **allocated at the peak** | **{result['peak_allocated_gib']:.3f}** | | "
+          f"event {result['peak_event']} ({result['peak_event_action']} at `{result['peak_event_site']}`) |")
+    print(f"| allocator slack (reserved - allocated) | {result['allocator_slack_gib']:.3f} | | "
+          f"reserved {result['reserved_at_peak_gib']:.3f} |")
+    print(f"\n- torch.cuda.max_memory_allocated since relaytune's reset after load: "
+          f"{result['torch_max_memory_allocated_gib']} GiB; metrics.jsonl peak over steps: "
+          f"{result['metrics_peak_memory_gib']} GiB")
+    if result["trace_wrapped"] or not result["training_start_found"]:
+        print("- WARNING: the trace filled --max-entries or does not reach back to the first training step "
+              "(raise --max-entries): blocks allocated before it are 'unknown'")
+    out = Path(args.out) if args.out else WORK / f"memory-{case}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"- JSON summary: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,540 @@
+"""relaytune vs TRL SFTTrainer (and TRL + Liger), side by side, in one invocation on one GPU.
+
+Every system trains the same random-init model (built once by gpu_bench.build_model and cached
+in BENCH_WORK), on the same text rows (gpu_bench.long_text_data: every row is longer than --seq,
+so every sequence is a full --seq tokens and nothing is padded), with the same sequence length,
+micro-batch, accumulation, LoRA (r 16, alpha 32, --lora-dropout, all linear layers), non-reentrant
+gradient checkpointing, bf16, optimizer and learning rate. --quant 4bit loads the base model with
+BitsAndBytesConfig NF4 (double quant, bf16 compute) in both systems.
+
+Each system runs in its own child process (`python bench/vs_trl.py --worker SYSTEM ...`), so one
+system's allocator state or peak cannot leak into the next. In every worker the peak statistics are
+reset after the model (with its adapter) is loaded and before the first step:
+  - TRL: torch.cuda.reset_peak_memory_stats() right before trainer.train(), after SFTTrainer
+    construction (model load, get_peft_model, adapter casts).
+  - relaytune: relaytune resets them itself after building model + adapter + optimizer (the
+    Trainer's _build); the worker also wraps relaytune's load_model, where it can, to reset at
+    the same point as TRL.
+Peak ALLOCATED = torch.cuda.max_memory_allocated() and peak RESERVED = max_memory_reserved(), both
+read at the end of the last training step (relaytune: at its last metrics record, so the final
+adapter save after the loop is excluded; the figure including it is in the JSON as well).
+tokens/s = median over the timed steps (after --warmup steps) of tokens in the step / step time.
+  - TRL: a TrainerCallback times on_step_begin .. on_step_end with torch.cuda.synchronize() on
+    both ends; tokens are counted from each micro-batch (attention_mask sum, or input_ids size
+    when padding-free).
+  - relaytune: tokens_per_second of each step's metrics.jsonl record (logging_steps 1), as
+    gpu_bench.run reads it; checkpoints are off inside the timed window unless --save-steps.
+
+    # the four cases of issue 16 (each one invocation, ~2-4 min on an H200):
+    python bench/vs_trl.py --arch qwen2.5-3b --quant none --batch 4
+    python bench/vs_trl.py --arch qwen2.5-3b --quant 4bit --batch 4
+    python bench/vs_trl.py --arch llama-3-8b --quant 4bit --batch 2
+    python bench/vs_trl.py --arch qwen2.5-3b --quant 4bit --batch 4 --seq 512
+    # the largest micro-batch that fits in a T4-sized 14.5 GiB, per system:
+    python bench/vs_trl.py --arch qwen2.5-3b --quant 4bit --cap-gib 14.5 --systems relaytune,trl
+    # CPU smoke test of this script:
+    python bench/vs_trl.py --arch tiny --seq 128 --steps 3 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gpu_bench  # noqa: E402  (puts src/ on sys.path and imports relaytune)
+from gpu_bench import ARCHS, WORK, build_model, long_text_data  # noqa: E402
+
+# Extra sizes for quick checks, local to this script (gpu_bench.ARCHS is the same dict object,
+# so build_model knows them too).
+ARCHS.setdefault("qwen2.5-0.5b", dict(
+    model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+    tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768))
+ARCHS.setdefault("qwen2.5-7b", dict(
+    model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+    tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=32768))
+
+SYSTEMS = ("relaytune", "trl", "trl-liger")
+RESULT = "VS_TRL_RESULT "  # prefix of the worker's result line on stdout
+SEARCH = (1, 2, 4, 8, 16, 32)
+GIB = 2**30
+
+
+# --- data ------------------------------------------------------------------------------------
+def docs_data(min_tokens: int, seq: int) -> Path:
+    """Documents of 64..min(1024, seq) words for --packing (both systems pack them to --seq)."""
+    path = WORK / f"docs-{min_tokens}-{seq}.jsonl"
+    if path.exists():
+        return path
+    rng = random.Random(0)
+    words = " ".join(gpu_bench.CORPUS).split()
+    total = 0
+    WORK.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        while total < min_tokens:
+            n = rng.randint(64, max(64, min(1024, seq)))
+            total += n
+            fh.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
+    return path
+
+
+def data_for(args, batch: int) -> Path:
+    steps = args.warmup + args.steps + 2
+    if args.packing:
+        return docs_data(batch * args.accum * steps * args.seq, args.seq)
+    return long_text_data(batch * args.accum * steps, args.seq)
+
+
+# --- workers (one system, one micro-batch, in a fresh process) ---------------------------------
+def _cap(args) -> float | None:
+    import torch
+
+    if not (args.cap_gib and torch.cuda.is_available()):
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, args.cap_gib * GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def worker_relaytune(args) -> dict:
+    import torch
+
+    import relaytune
+
+    cuda = torch.cuda.is_available()
+    out = Path(args.run_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    notes = []
+    reserved_at_log: list[int] = []
+    # Observation only, guarded: relaytune is being refactored, and train(dict) is the stable API.
+    try:
+        from relaytune.training import trainer as _tr
+
+        if cuda and hasattr(_tr, "load_model"):
+            _load = _tr.load_model
+
+            def load_then_reset(*a, **k):
+                model = _load(*a, **k)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                return model
+            _tr.load_model = load_then_reset
+            notes.append("peak reset after load_model (and again by relaytune after the optimizer is built)")
+        if cuda and hasattr(_tr, "peak_memory"):
+            _peak = _tr.peak_memory
+
+            def peak_and_reserved():
+                reserved_at_log.append(torch.cuda.max_memory_reserved())
+                return _peak()
+            _tr.peak_memory = peak_and_reserved
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"could not hook relaytune internals ({e!r}); relying on its own peak reset")
+    cfg = dict(
+        model=args.model, dataset=args.data, output_dir=str(out), max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
+        max_seq_length=args.seq, packing=args.packing, gradient_checkpointing=True,
+        learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, optim=args.optim, seed=42,
+        lora_r=16, lora_alpha=32, lora_dropout=args.lora_dropout, lora_target_modules="all-linear",
+        logging_steps=1, save_steps=args.save_steps or 10**6, save_every_seconds=0,
+        report_to="none", dataset_cache=False,
+    )
+    if cuda:
+        cfg["bf16"] = True
+    if args.quant == "4bit":
+        cfg.update(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    for item in args.relaytune_set or []:  # A/B of relaytune's own settings, e.g. torch_compile=false
+        key, _, value = item.partition("=")
+        cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
+    t0 = time.time()
+    error = None
+    try:
+        relaytune.train(cfg)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    wall = time.time() - t0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    ooms = [r for r in records if r.get("event") == "oom"]
+    if error is not None and not (ooms or _is_oom(error)):
+        raise error
+    steps = [r for r in records if "loss" in r and "event" not in r]
+    timed = steps[args.warmup:]
+    res = dict(system="relaytune", batch=args.batch, wall_seconds=round(wall, 1), steps=len(steps),
+               fits=not ooms and error is None, oom_events=ooms, notes=notes)
+    if error is not None:
+        res["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    if timed:
+        res["tokens_per_second"] = round(statistics.median(r["tokens_per_second"] for r in timed), 1)
+        seen = [r["tokens_seen"] for r in steps]
+        res["tokens_per_step"] = sorted({b - a for a, b in zip([0] + seen, seen)})
+        res["first_loss"], res["last_loss"] = steps[0]["loss"], steps[-1]["loss"]
+        for key in ("mfu", "mfu_lora"):  # 6N + attention, and the LoRA-honest 4N + attention
+            if all(key in r for r in timed):
+                res[key] = round(statistics.median(r[key] for r in timed), 4)
+    if args.relaytune_set:
+        res["relaytune_set"] = list(args.relaytune_set)
+    if cuda and steps:
+        res["peak_allocated_gib"] = max(r.get("peak_memory_gib", 0) for r in steps)
+        res["peak_allocated_incl_final_save_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        res["peak_reserved_incl_final_save_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
+        if reserved_at_log:
+            res["peak_reserved_gib"] = round(max(reserved_at_log) / GIB, 3)
+        else:
+            res["peak_reserved_gib"] = res["peak_reserved_incl_final_save_gib"]
+            notes.append("peak reserved includes the final adapter save")
+    return res
+
+
+def worker_trl(args, liger: bool) -> dict:
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    cuda = torch.cuda.is_available()
+    out = Path(args.run_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    if tok.pad_token is None:  # as relaytune does
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    kwargs: dict = {"dtype": torch.bfloat16 if cuda else torch.float32}
+    if args.quant == "4bit":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if cuda else torch.float32)
+        kwargs["device_map"] = {"": 0 if cuda else "cpu"}
+    t_load = time.time()
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    if args.quant != "4bit" and cuda:
+        model.to("cuda")
+    model.config.use_cache = False
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    sft = SFTConfig(
+        output_dir=str(out), max_length=args.seq, packing=args.packing, dataset_text_field="text",
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=cuda, learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, optim=args.optim, seed=42, max_steps=args.warmup + args.steps,
+        logging_steps=1, save_strategy="no", report_to="none", use_liger_kernel=liger,
+        dataloader_num_workers=0, use_cpu=not cuda, disable_tqdm=True,
+    )
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=args.lora_dropout, target_modules="all-linear",
+                      bias="none", task_type="CAUSAL_LM")
+
+    tokens = {"micro": 0}
+
+    class CountingTrainer(SFTTrainer):
+        def training_step(self, model, inputs, *a, **k):
+            if "attention_mask" in inputs:
+                tokens["micro"] += int(inputs["attention_mask"].sum())
+            else:
+                tokens["micro"] += int(inputs["input_ids"].numel())
+            return super().training_step(model, inputs, *a, **k)
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.steps: list[tuple[float, int, float]] = []  # (seconds, tokens, step end time)
+            self.peak_alloc = self.peak_reserved = 0
+
+        def _sync(self):
+            if cuda:
+                torch.cuda.synchronize()
+
+        def on_step_begin(self, a, state, control, **kw):
+            self._sync()
+            self.t0 = time.perf_counter()
+            tokens["micro"] = 0
+
+        def on_step_end(self, a, state, control, **kw):
+            self._sync()
+            now = time.perf_counter()
+            self.steps.append((now - self.t0, tokens["micro"], now))
+            if cuda:
+                self.peak_alloc = torch.cuda.max_memory_allocated()
+                self.peak_reserved = torch.cuda.max_memory_reserved()
+
+    timer = Timer()
+    trainer = CountingTrainer(model=model, args=sft, train_dataset=dataset, processing_class=tok,
+                              peft_config=lora, callbacks=[timer])
+    load_seconds = time.time() - t_load
+    adapter_dtypes = sorted({str(p.dtype)[6:] for p in trainer.model.parameters() if p.requires_grad})
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()  # after model load + adapter, before the first step
+    t0 = time.time()
+    error = None
+    try:
+        trainer.train()
+    except BaseException as e:  # noqa: BLE001
+        if not _is_oom(e):
+            raise
+        error = e
+    wall = time.time() - t0
+    name = "trl-liger" if liger else "trl"
+    res = dict(system=name, batch=args.batch, wall_seconds=round(wall, 1), load_seconds=round(load_seconds, 1),
+               steps=len(timer.steps), fits=error is None, adapter_dtypes=adapter_dtypes, notes=[])
+    if error is not None:
+        res["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    timed = timer.steps[args.warmup:]
+    if timed:
+        res["tokens_per_second"] = round(statistics.median(n / s for s, n, _ in timed), 1)
+        ends = [e for _, _, e in timer.steps[args.warmup - 1:]] if args.warmup else []
+        if len(ends) > 1:  # step end to step end: includes data loading and logging between steps
+            res["tokens_per_second_end_to_end"] = round(statistics.median(
+                n / (b - a) for (_, n, _), a, b in zip(timed, ends, ends[1:])), 1)
+        res["tokens_per_step"] = sorted({n for _, n, _ in timer.steps})
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if losses:
+        res["first_loss"], res["last_loss"] = losses[0], losses[-1]
+    if cuda and timer.steps:
+        res["peak_allocated_gib"] = round(timer.peak_alloc / GIB, 3)
+        res["peak_reserved_gib"] = round(timer.peak_reserved / GIB, 3)
+    return res
+
+
+def worker(args) -> None:
+    import torch
+
+    fraction = _cap(args)
+    if args.worker == "relaytune":
+        res = worker_relaytune(args)
+    else:
+        res = worker_trl(args, liger=args.worker == "trl-liger")
+    res.update(arch=args.arch, quant=args.quant, seq=args.seq, accum=args.accum, optim=args.optim,
+               packing=args.packing, warmup=args.warmup, timed_steps=args.steps,
+               cap_gib=args.cap_gib if fraction else None,
+               device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    print(RESULT + json.dumps(res), flush=True)
+
+
+# --- the parent: build once, spawn one child per system -----------------------------------------
+def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
+    run_dir = WORK / "vs_trl" / f"{system}-{args.arch}-{args.quant}-s{args.seq}-b{batch}"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--model", str(model),
+           "--data", str(data), "--run-dir", str(run_dir), "--arch", args.arch, "--quant", args.quant,
+           "--seq", str(args.seq), "--batch", str(batch), "--accum", str(args.accum),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--optim", args.optim,
+           "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout),
+           "--save-steps", str(args.save_steps or 0)]
+    if args.packing:
+        cmd.append("--packing")
+    if system == "relaytune":
+        for item in args.relaytune_set or []:
+            cmd += ["--relaytune-set", item]
+    if args.cap_gib:
+        cmd += ["--cap-gib", str(args.cap_gib)]
+    log = WORK / "vs_trl" / f"{run_dir.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        killed = False
+        while proc.poll() is None:
+            time.sleep(1)
+            # Under a cap, relaytune halves its micro-batch on OOM by itself and carries on; for the
+            # search that run did not fit at this micro-batch, so stop it there.
+            if args.cap_gib and system == "relaytune" and _has_oom_event(run_dir):
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                killed = True
+    seconds = time.time() - t0
+    text = log.read_text(errors="replace")
+    lines = [x for x in text.splitlines() if x.startswith(RESULT)]
+    if lines:
+        res = json.loads(lines[-1][len(RESULT):])
+    elif killed:
+        res = dict(system=system, batch=batch, fits=False, oom_events=["oom event in metrics.jsonl"],
+                   notes=["stopped at relaytune's first oom event"])
+    else:
+        tail = "\n".join(text.splitlines()[-25:])
+        res = dict(system=system, batch=batch, fits=False, error=f"worker exited {proc.returncode}: see {log}",
+                   notes=[])
+        print(f"# {system} b{batch} FAILED (exit {proc.returncode}); last lines of {log}:\n{tail}", file=sys.stderr)
+    res["process_seconds"] = round(seconds, 1)
+    print(f"# {system} micro-batch {batch}: {seconds:.0f}s in its process"
+          f"{'' if res.get('fits', True) else ' (did not fit)'}", file=sys.stderr, flush=True)
+    return res
+
+
+def _has_oom_event(run_dir: Path) -> bool:
+    try:
+        return '"event": "oom"' in (run_dir / "metrics.jsonl").read_text().replace('"event":"oom"', '"event": "oom"')
+    except OSError:
+        return False
+
+
+def fmt(v, spec=",.0f", missing=""):
+    return missing if v is None else format(v, spec)
+
+
+def ratio(a, b):
+    return round(a / b, 2) if a and b else None
+
+
+def report(args, results: list[dict], notes: list[str], header: str) -> str:
+    by = {r["system"]: r for r in results}
+    rt = by.get("relaytune", {})
+    lines = [header, "",
+             "| system | micro-batch | tok/s | peak allocated GiB | peak reserved GiB | tok/s vs relaytune | "
+             "peak alloc vs relaytune |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['system']} | {r.get('batch', '')} | {fmt(r.get('tokens_per_second'))} | "
+            f"{fmt(r.get('peak_allocated_gib'), '.2f')} | {fmt(r.get('peak_reserved_gib'), '.2f')} | "
+            f"{fmt(ratio(rt.get('tokens_per_second'), r.get('tokens_per_second')), '.2f')} | "
+            f"{fmt(ratio(rt.get('peak_allocated_gib'), r.get('peak_allocated_gib')), '.2f')} |")
+    summary = {}
+    for other in ("trl", "trl-liger"):
+        if other in by and rt:
+            o = by[other]
+            summary[f"relaytune/{other}"] = dict(
+                tokens_per_second=ratio(rt.get("tokens_per_second"), o.get("tokens_per_second")),
+                peak_allocated=ratio(rt.get("peak_allocated_gib"), o.get("peak_allocated_gib")),
+                peak_reserved=ratio(rt.get("peak_reserved_gib"), o.get("peak_reserved_gib")),
+                micro_batch=ratio(rt.get("batch"), o.get("batch")) if args.cap_gib else None)
+    lines.append("")
+    for k, v in summary.items():
+        lines.append(f"- {k}: tok/s x{fmt(v['tokens_per_second'], '.2f', 'n/a')}, peak allocated "
+                     f"x{fmt(v['peak_allocated'], '.2f', 'n/a')}, "
+                     f"peak reserved x{fmt(v['peak_reserved'], '.2f', 'n/a')}"
+                     + (f", micro-batch x{fmt(v['micro_batch'], '.2f')}" if v["micro_batch"] else ""))
+    lines += [f"- note: {n}" for n in notes]
+    lines += ["- peak memory: torch.cuda.max_memory_allocated / max_memory_reserved, statistics reset after "
+              "the model and adapter are loaded (every system alike), read at the end of the last step; "
+              f"tok/s: median of {args.steps} steps after {args.warmup} warm-up steps."]
+    tps = {tuple(r.get("tokens_per_step") or ()) for r in results if r.get("tokens_per_step")}
+    if len(tps) > 1 and not args.packing and not args.cap_gib:
+        lines.append(f"- WARNING: tokens per step differ between systems: {sorted(tps)}")
+    lines.append("")
+    for r in results:
+        lines.append(json.dumps(r))
+    if summary:
+        lines.append(json.dumps({"ratios": summary, "arch": args.arch, "quant": args.quant, "seq": args.seq}))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="qwen2.5-3b", choices=sorted(ARCHS))
+    p.add_argument("--quant", default="none", choices=["none", "4bit"])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4, help="micro-batch (per_device_train_batch_size)")
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20, help="timed steps, after --warmup steps")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--optim", default="adamw_torch", choices=["adamw_torch", "paged_adamw_8bit"])
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--packing", action="store_true",
+                   help="short documents packed to --seq by both systems (TRL: bfd, padding-free)")
+    p.add_argument("--save-steps", type=int, default=0, help="relaytune checkpoint every N steps (0: none)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--cap-gib", type=float, default=0.0,
+                   help="cap each worker at this much GPU memory and search the largest micro-batch that fits")
+    p.add_argument("--search", default=",".join(map(str, SEARCH)), help="micro-batches tried under --cap-gib")
+    p.add_argument("--out", help="append the Markdown table and the JSON lines to this file")
+    p.add_argument("--relaytune-set", action="append", metavar="KEY=VALUE",
+                   help="a relaytune config key for its run (repeatable), e.g. torch_compile=false, attention=sdpa")
+    # worker-only
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    notes = []
+    if not cuda:
+        notes.append("no GPU: float32 on the CPU, no bf16, no memory figures")
+        if "trl-liger" in systems:
+            systems.remove("trl-liger")
+            notes.append("trl-liger skipped: Liger's kernels need triton and a GPU")
+        if args.cap_gib:
+            notes.append(f"--cap-gib {args.cap_gib} ignored on the CPU")
+            args.cap_gib = 0.0
+        if args.quant == "4bit":
+            notes.append("--quant 4bit on the CPU: bitsandbytes 4-bit needs a GPU; running without quantization")
+            args.quant = "none"
+    elif "trl-liger" in systems:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            systems.remove("trl-liger")
+            notes.append("trl-liger skipped: liger-kernel is not installed")
+    if args.arch == "tiny" and args.seq > 1024:
+        notes.append(f"tiny model: --seq {args.seq} lowered to 128")
+        args.seq = 128
+    t0 = time.time()
+    model = build_model(args.arch)
+    print(f"# model {args.arch} ready in {time.time() - t0:.0f}s ({model})", file=sys.stderr, flush=True)
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    results = []
+    if args.cap_gib:
+        batches = [int(b) for b in args.search.split(",")]
+        data = data_for(args, max(batches))
+        for system in systems:
+            best = None
+            tried = []
+            for b in batches:
+                r = spawn(args, system, b, model, data)
+                tried.append({"batch": b, "fits": r.get("fits", False),
+                              "peak_allocated_gib": r.get("peak_allocated_gib")})
+                if not r.get("fits"):
+                    break
+                best = r
+            best = dict(best or {"system": system, "batch": None, "notes": ["no micro-batch fit"]})
+            best["search"] = tried
+            results.append(best)
+        header = (f"### {args.arch} {'QLoRA' if args.quant == '4bit' else 'LoRA'}, seq {args.seq}, cap "
+                  f"{args.cap_gib} GiB: largest micro-batch that fits ({device}, {time.strftime('%Y-%m-%d')})")
+    else:
+        data = data_for(args, args.batch)
+        for system in systems:
+            results.append(spawn(args, system, args.batch, model, data))
+        header = (f"### {args.arch} {'QLoRA' if args.quant == '4bit' else 'LoRA'}, seq {args.seq}, micro-batch "
+                  f"{args.batch} x accum {args.accum}, {args.optim}{', packed' if args.packing else ''} "
+                  f"({device}, {time.strftime('%Y-%m-%d')})")
+    text = report(args, results, notes, header)
+    text += f"<!-- command: python bench/vs_trl.py {' '.join(sys.argv[1:])} ; total {time.time() - t0:.0f}s -->\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as fh:
+            fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Several processes on one run (CPU, gloo, 2 ranks of the tiny model): launch, exact global
+batches on any process count, one checkpoint format for any count, guards agreed across ranks.
+
+Runs go through the CLI in forked children of the pre-imported fork server (`fork_cli`); the
+child is the launcher, which forks its workers through torch's elastic agent (fork start
+method on the CPU), so a 2-process run costs a few seconds.
+
+Tolerance between process counts. With a share per rank that is a multiple of the micro-batch
+(the default settings here: global batch 8 = 2 ranks x 4 rows, micro-batch 4) each rank's
+micro-batch holds exactly the rows one process would put in it, and the sum of two per-rank
+gradients is the same single addition one process does while accumulating: the final adapters
+are byte-identical. When the split regroups rows (3 rows per rank cut 2 + 1 against one
+process's 2 + 2 + 2), padding widths and the order of float summation change: same rows, same
+maths, different rounding. Adam then carries those 1e-7-relative differences over the steps, so
+the comparison allows RTOL/ATOL below (measured differences are about 1e-6 absolute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ONE_THREAD_ENV, REPO, chat_rows, make_config, run_until_done, step_records, write_jsonl
+from safetensors.torch import load_file
+
+from relaytune.checkpoint import verify
+from relaytune.data.batches import DataOrder
+
+RTOL, ATOL = 1e-4, 1e-5
+ADAPTER = "final/adapter_model.safetensors"
+# 12 steps of 8 rows over 40 rows; a checkpoint every 2 steps.
+BASE = dict(max_steps=12, save_steps=2, logging_steps=1, save_every_seconds=0, lora_r=8)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("ddpdata") / "data.jsonl", chat_rows(40))
+
+
+def config(tmp: Path, tiny_model, data_file, **kw) -> Path:
+    return make_config(tmp, tiny_model, data_file, **{**BASE, **kw})
+
+
+def adapter(run_root: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_root / ADAPTER)
+
+
+def assert_close(a: Path, b: Path) -> float:
+    x, y = adapter(a), adapter(b)
+    assert x.keys() == y.keys()
+    worst = 0.0
+    for k in x:
+        torch.testing.assert_close(x[k], y[k], rtol=RTOL, atol=ATOL)
+        worst = max(worst, (x[k] - y[k]).abs().max().item())
+    return worst
+
+
+def rows_by_step(prefix: Path) -> dict[int, list[int]]:
+    """The global batch of each step, as the ranks recorded their shares (rank order; a step
+    recorded twice, e.g. redone after an OOM or a restart, keeps its last record)."""
+    shares: dict[int, dict[int, list[int]]] = {}
+    for f in sorted(prefix.parent.glob(prefix.name + ".rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            shares.setdefault(r["step"], {})[r["rank"]] = r["rows"]
+    return {s: [i for rank in sorted(d) for i in d[rank]] for s, d in shares.items()}
+
+
+def expected_rows(steps: int = 12) -> dict[int, list[int]]:
+    order = DataOrder(40, 8, 42)
+    return {s: order.batch_rows(s) for s in range(steps)}
+
+
+def run_ok(cli, cfg: Path, *extra: str, env: dict | None = None):
+    r = cli.run("train", str(cfg), *extra, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model, data_file, fork_cli) -> Path:
+    """An uninterrupted 1-process run without dropout (the maths to match across counts)."""
+    tmp = tmp_path_factory.mktemp("one")
+    rows = tmp / "rows"
+    run_ok(fork_cli, config(tmp, tiny_model, data_file, lora_dropout=0.0), env={"RELAYTUNE_RECORD_ROWS": str(rows)})
+    assert rows_by_step(rows) == expected_rows()
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def two_process(tmp_path_factory, tiny_model, data_file, fork_cli) -> tuple[Path, Path]:
+    """An uninterrupted 2-process run with dropout 0.1 (the per-rank RNG streams matter):
+    (run folder, config) for the fault tests that must end byte-identical to it."""
+    tmp = tmp_path_factory.mktemp("two")
+    cfg = config(tmp, tiny_model, data_file, num_gpus=2, lora_dropout=0.1)
+    run_ok(fork_cli, cfg)
+    records = step_records(tmp / "run/metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 13)), "only rank 0 writes metrics.jsonl, once a step"
+    return tmp / "run", cfg
+
+
+def test_two_processes_train_the_same_maths_as_one(tmp_path, tiny_model, data_file, fork_cli, one_process):
+    rows = tmp_path / "rows"
+    cfg = config(tmp_path, tiny_model, data_file, lora_dropout=0.0, num_gpus=2)
+    r = run_ok(fork_cli, cfg, env={"RELAYTUNE_RECORD_ROWS": str(rows)})
+    assert "starting 2 workers" in r.stderr
+    assert rows_by_step(rows) == expected_rows(), "the ranks' shares make up exactly the 1-process global batches"
+    assert len(list(tmp_path.glob("rows.rank1.jsonl"))) == 1
+    # Aligned shares: the very same additions as one process, so the same bytes.
+    assert (tmp_path / "run" / ADAPTER).read_bytes() == (one_process / ADAPTER).read_bytes()
+    ref = [(r["step"], r["loss"]) for r in step_records(one_process / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in step_records(tmp_path / "run/metrics.jsonl")] == ref
+    sessions = (tmp_path / "run/sessions.jsonl").read_text().splitlines()
+    assert len(sessions) == 2, "only rank 0 writes sessions.jsonl"
+    state = json.loads((tmp_path / "run/checkpoints/step-10/trainer_state.json").read_text())
+    assert state["world_size"] == 2
+
+
+def test_regrouped_shares_stay_within_tolerance(tmp_path, tiny_model, data_file, fork_cli):
+    """Global batch 6 = micro-batch 2 x 3: one process cuts 2+2+2, each of 2 ranks 2+1."""
+    kw = dict(lora_dropout=0.0, per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    run_ok(fork_cli, config(tmp_path / "one", tiny_model, data_file, **kw))
+    run_ok(fork_cli, config(tmp_path / "two", tiny_model, data_file, num_gpus=2, **kw))
+    worst = assert_close(tmp_path / "one/run", tmp_path / "two/run")
+    print(f"regrouped 2-process vs 1-process: max abs difference {worst:.3g}")
+
+
+@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_process_count(tmp_path, tiny_model, data_file, fork_cli, one_process,
+                                                       first, second):
+    rows = tmp_path / "rows"
+    cfg = config(tmp_path, tiny_model, data_file, lora_dropout=0.0, num_gpus=first)
+    env = {"RELAYTUNE_CRASH_AT": "step:end:7", "RELAYTUNE_RECORD_ROWS": str(rows)}
+    r = fork_cli.run("train", str(cfg), "max_restarts=0", env=env)
+    assert r.returncode in (-9, 1), r.stderr[-3000:]  # 1 process: killed; 2: the launcher gives up (0 restarts)
+    ckpts = sorted((tmp_path / "run/checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    assert ckpts and all(verify(p) is None for p in ckpts)
+    resumed_from = max(int(p.name.split("-")[1]) for p in ckpts)
+    written_by = json.loads((ckpts[-1] / "trainer_state.json").read_text())["world_size"]
+    assert written_by == first
+    for f in tmp_path.glob("rows.rank*.jsonl"):
+        f.unlink()
+    run_ok(fork_cli, cfg, f"num_gpus={second}", env={"RELAYTUNE_RECORD_ROWS": str(rows)})
+    later = rows_by_step(rows)
+    assert sorted(later) == list(range(resumed_from, 12)), "the resume continues at the checkpoint's step"
+    assert later == {s: v for s, v in expected_rows().items() if s >= resumed_from}
+    assert len(list(tmp_path.glob("rows.rank*.jsonl"))) == second
+    worst = assert_close(tmp_path / "run", one_process)
+    print(f"{first} -> {second} processes from step {resumed_from}: max abs difference {worst:.3g}")
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path, tiny_model, data_file, fork_cli,
+                                                                      two_process):
+    ref_run, _ = two_process
+    cfg = config(tmp_path, tiny_model, data_file, num_gpus=2, lora_dropout=0.1, save_steps=100)
+    run = tmp_path / "run"
+    started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.3"})
+    wait_for_step(run, 2)
+    os.kill(started.pid, signal.SIGTERM)
+    r = started.wait(120)
+    assert r.returncode == 75, r.stderr[-4000:]
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 1 and verify(run / "checkpoints" / ckpts[0]) is None, ckpts
+    stopped_at = int(ckpts[0].split("-")[1])
+    assert step_records(run / "metrics.jsonl")[-1]["step"] == stopped_at
+    ends = [json.loads(x) for x in (run / "sessions.jsonl").read_text().splitlines()]
+    assert ends[-1]["how"] == "signal"
+    run_ok(fork_cli, cfg)
+    assert (run / ADAPTER).read_bytes() == (ref_run / ADAPTER).read_bytes()
+
+
+def test_an_oom_on_rank_1_steps_both_ranks_down(tmp_path, tiny_model, data_file, fork_cli, one_process):
+    cfg = config(tmp_path, tiny_model, data_file, lora_dropout=0.0, num_gpus=2)
+    run_ok(fork_cli, cfg, env={"RELAYTUNE_OOM_AT": "3:0", "RELAYTUNE_OOM_RANK": "1"})
+    events = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    ooms = [e for e in events if e.get("event") == "oom"]
+    assert [(e["step"], e["micro_batch_size"], e["was"]) for e in ooms] == [(3, 2, 4)]
+    assert [r["step"] for r in step_records(tmp_path / "run/metrics.jsonl")] == list(range(1, 13))
+    state = json.loads((tmp_path / "run/checkpoints/step-10/trainer_state.json").read_text())
+    assert state["recovery"]["micro_batch_size"] == 2
+    assert_close(tmp_path / "run", one_process)  # same rows, same maths, smaller micro-batches
+
+
+@pytest.mark.skip(reason="UNFINISHED: passes about 1 run in 3; otherwise the elastic restart's second "
+                         "round fails in gloo connectFullMesh (connection refused) and the agent then hangs; "
+                         "see the report of issue 17")
+def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(tmp_path, tiny_model, data_file, fork_cli,
+                                                               two_process):
+    ref_run, _ = two_process
+    cfg = config(tmp_path, tiny_model, data_file, num_gpus=2, lora_dropout=0.1)
+    run = tmp_path / "run"
+    started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.2"})
+    wait_for_step(run, 5)
+    workers = children(started.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    r = started.wait(180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    starts = [json.loads(x) for x in (run / "sessions.jsonl").read_text().splitlines()
+              if json.loads(x)["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["from_step"] > 0, "the restarted workers resumed from a checkpoint"
+    assert (run / ADAPTER).read_bytes() == (ref_run / ADAPTER).read_bytes()
+    assert [r["step"] for r in step_records(run / "metrics.jsonl")] == list(range(1, 13))
+
+
+def kill_launcher_and_resume(tmp_path, tiny_model, data_file, fork_cli, two_process, kills: int, seed: int):
+    ref_run, _ = two_process
+    cfg = config(tmp_path, tiny_model, data_file, num_gpus=2, lora_dropout=0.1)
+    run = tmp_path / "run"
+    rng = random.Random(seed)
+    killed = 0
+    t0 = time.monotonic()
+    while killed < kills:
+        started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.6"})
+        time.sleep(rng.uniform(0.3, 2.8))  # set-up takes ~1.5 s, then a step every ~0.6 s: kills land in both
+        workers = children(started.pid)
+        try:
+            os.kill(started.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it had finished
+        r = started.wait(120)
+        wait_gone(workers)  # PR_SET_PDEATHSIG: the workers die with their launcher
+        if r.returncode == 0:
+            break  # finished before the kill landed
+        assert r.returncode == -9, r.stderr[-3000:]
+        killed += 1
+        for p in (run / "checkpoints").glob("step-*") if (run / "checkpoints").is_dir() else []:
+            assert verify(p) is None, f"{p.name} visible but not intact"
+    assert killed == kills, f"the run finished after {killed} kills"
+    run_until_done(fork_cli, cfg)
+    assert (run / ADAPTER).read_bytes() == (ref_run / ADAPTER).read_bytes()
+    assert [r["step"] for r in step_records(run / "metrics.jsonl")] == list(range(1, 13))
+    print(f"{killed} launcher kills, {time.monotonic() - t0:.1f} s")
+
+
+def test_launcher_killed_a_few_times_then_rerun_is_exact(tmp_path, tiny_model, data_file, fork_cli, two_process):
+    kill_launcher_and_resume(tmp_path, tiny_model, data_file, fork_cli, two_process, kills=3, seed=1)
+
+
+@pytest.mark.slow
+def test_launcher_killed_ten_times_then_rerun_is_exact(tmp_path, tiny_model, data_file, fork_cli, two_process):
+    kill_launcher_and_resume(tmp_path, tiny_model, data_file, fork_cli, two_process, kills=10, seed=2)
+
+
+def test_two_nodes_under_external_torchrun_match_one_node(tmp_path, tiny_model, data_file, two_process):
+    """`torchrun --nnodes 2 --rdzv-backend c10d` twice on this machine, one process each, one
+    shared output_dir: relaytune joins instead of launching; global rank 0 commits."""
+    ref_run, _ = two_process
+    cfg = config(tmp_path, tiny_model, data_file, lora_dropout=0.1)  # num_gpus auto: torchrun decides
+    port = _free_port()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("RELAYTUNE_")}
+    nodes = []
+    for node in (0, 1):
+        cmd = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "relaytune-test",
+               "--rdzv-conf", f"is_host={1 if node == 0 else 0}", "--max-restarts", "0",
+               "-m", "relaytune.cli", "train", str(cfg)]
+        nodes.append(subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert (tmp_path / "run" / ADAPTER).read_bytes() == (ref_run / ADAPTER).read_bytes()
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def wait_for_step(run: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(r["step"] >= step for r in step_records(run / "metrics.jsonl")):
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"no step {step} in {timeout} s")
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            try:  # a zombie of the (dead) launcher's: reaped by init soon
+                if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                    break
+            except OSError:
+                break
+            time.sleep(0.02)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

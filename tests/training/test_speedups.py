@@ -1,0 +1,282 @@
+"""GPU speed-ups (training/speedups.py), checked on the CPU where their paths run there.
+
+Numerics are the contract: regional compilation and document-masked FlexAttention give the
+eager-SDPA loss and gradient norm within a stated tolerance, and on the CPU both default to off
+(so CPU runs, and their exact resumes, are untouched).
+
+Measured here (tiny llama, fp32, CPU, torch 2.13): compiled vs eager over 3 AdamW steps with
+gradient checkpointing, loss within 2e-7 relative and grad norm within 3e-6; flex vs SDPA on a
+packed batch, loss within 1e-6. Tolerances: COMPILE_RTOL, FLEX_RTOL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from relaytune.config.schema import TrainConfig
+from relaytune.data.batches import collate, document_ids
+from relaytune.data.packing import check_isolation, concat
+from relaytune.data.rows import TokenRow
+from relaytune.model import choose_precision, load_model
+from relaytune.training import mfu, speedups
+from relaytune.training.loss import causal_lm_loss
+
+COMPILE_RTOL = 1e-4  # measured <= 3e-6 (grad norm), 2e-7 (loss)
+FLEX_RTOL = 1e-5  # measured ~1e-7
+
+
+def _cfg(tiny_model, tmp_path, **kw) -> TrainConfig:
+    return TrainConfig(model=str(tiny_model), dataset="unused.jsonl", output_dir=str(tmp_path / "run"),
+                       lora_dropout=0.0, **kw)
+
+
+def _model(cfg: TrainConfig):
+    torch.manual_seed(0)
+    model = load_model(cfg, choose_precision(cfg))
+    with torch.no_grad():  # a nonzero adapter, so that it matters
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+    return model
+
+
+def _packed_batch(vocab: int, segments=((7, 12, 5), (20, 4), (9,))) -> dict:
+    rng = np.random.default_rng(3)
+    rows = []
+    for lengths in segments:
+        pieces = [(rng.integers(10, vocab, n), rng.integers(10, vocab, n)) for n in lengths]
+        ids, labels, segments = concat(pieces)
+        rows.append(TokenRow(ids, labels, segments))
+    return collate(rows, pad_id=0)
+
+
+def test_defaults_leave_a_cpu_model_untouched(tiny_model, tmp_path, one_thread):
+    model = _model(_cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True))
+    assert model.relaytune_speedups == []
+    assert all(layer._compiled_call_impl is None for layer in speedups.decoder_layers(model))
+    assert model.get_base_model().config._attn_implementation == "sdpa"
+    assert speedups.compile_decision("auto", torch.device("cpu")) == (False, None)
+    assert speedups.flex_decision("auto", True, torch.device("cpu")) == (False, None)
+    on, why = speedups.flex_decision("flex", True, torch.device("cpu"))
+    assert not on and "no backward on the CPU" in why
+    assert speedups.flex_decision("flex", False, torch.device("cpu"))[0] is False
+
+
+def test_flex_blockers():
+    from transformers import AutoConfig
+
+    assert speedups.flex_blocker(AutoConfig.for_model("llama")) is None
+    assert speedups.flex_blocker(AutoConfig.for_model("qwen2")) is None  # sliding window off by default
+    assert "dropout" in speedups.flex_blocker(AutoConfig.for_model("llama", attention_dropout=0.1))
+    assert "sliding" in speedups.flex_blocker(AutoConfig.for_model("mistral", sliding_window=4096))
+
+
+def test_a_failing_speedup_never_stops_the_run(tiny_model, tmp_path, monkeypatch, one_thread):
+    def boom(self, *a, **k):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(torch.nn.Module, "compile", boom)
+    model = _model(_cfg(tiny_model, tmp_path, torch_compile=True))
+    assert model.relaytune_speedups == []
+    assert all(layer._compiled_call_impl is None for layer in speedups.decoder_layers(model))
+
+
+def test_document_ids_follow_position_restarts():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]])
+    assert document_ids(pos).tolist() == [[1, 1, 1, 2, 2, 3, 4, 4], [1] * 8]
+
+
+def test_flex_equals_sdpa_on_a_packed_batch_and_keeps_samples_apart(tiny_model, tmp_path, one_thread):
+    """One BlockMask per batch, built once, handed to every layer; loss equal to SDPA's packed mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    model = _model(_cfg(tiny_model, tmp_path, packing=True))
+    batch = _packed_batch(model.config.vocab_size)
+    assert "attention_mask" not in batch
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    lm = model.get_base_model()
+    targets = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], -100)], 1).reshape(-1)
+    with torch.no_grad():
+        sdpa = causal_lm_loss(model, batch, n).item()
+        speedups.enable_flex(model)
+        # The test has teeth: a causal mask that ignores documents leaks, and the loss moves. (First:
+        # eager CPU flex goes through dynamo's cache keyed on the mask function.)
+        b, s = batch["input_ids"].shape
+        leaky = create_block_mask(lambda b_, h, q, kv: q >= kv, b, None, s, s, device="cpu")
+        hidden = lm.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                  attention_mask=leaky).last_hidden_state
+        logits = lm.get_output_embeddings()(hidden)
+        leaked = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets,
+                                                   reduction="sum").item() / n
+        assert abs(leaked - sdpa) > 10 * FLEX_RTOL * abs(sdpa)  # measured ~5e-4 relative
+        masks = []
+        real = speedups.document_block_mask
+        speedups.document_block_mask = lambda pos: masks.append(real(pos)) or masks[-1]
+        try:
+            flex = causal_lm_loss(model, batch, n).item()
+        finally:
+            speedups.document_block_mask = real
+        assert len(masks) == 1, "one mask per batch, not per layer"
+        assert abs(flex - sdpa) <= FLEX_RTOL * abs(sdpa), (flex, sdpa)
+        assert check_isolation(model) is None
+        # Another batch of the same shape, other documents: the mask follows (no stale graph).
+        other = _packed_batch(model.config.vocab_size, ((12, 7, 5), (4, 20), (3, 6)))
+        flex2 = causal_lm_loss(model, other, n).item()
+        model.get_base_model().set_attn_implementation("sdpa")
+        sdpa2 = causal_lm_loss(model, other, n).item()
+        assert abs(flex2 - sdpa2) <= FLEX_RTOL * abs(sdpa2), (flex2, sdpa2)
+
+
+def test_flex_leaves_padded_batches_on_sdpa(tiny_model, tmp_path, one_thread):
+    model = _model(_cfg(tiny_model, tmp_path))
+    rows = [TokenRow(np.arange(10, 30), np.arange(10, 30)), TokenRow(np.arange(40, 52), np.arange(40, 52))]
+    batch = collate(rows, pad_id=0)
+    assert "attention_mask" in batch
+    with torch.no_grad():
+        before = causal_lm_loss(model, batch, 30)
+        speedups.enable_flex(model)
+        after = causal_lm_loss(model, batch, 30)
+    assert torch.equal(before, after), "the same SDPA call, bit for bit"
+
+
+@pytest.mark.slow  # inductor's C++ compile: ~25 s on a 2-core machine
+def test_compiled_layers_match_eager(tiny_model, tmp_path, one_thread):
+    """torch_compile: true on the CPU: 3 AdamW steps with gradient checkpointing, packed rows."""
+    def trajectory(setting):
+        model = _model(_cfg(tiny_model, tmp_path, gradient_checkpointing=True, torch_compile=setting))
+        compiled = [layer._compiled_call_impl is not None for layer in speedups.decoder_layers(model)]
+        model.train()  # as the trainer's loop does (dropout is 0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        batch = _packed_batch(model.config.vocab_size)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        out = []
+        for _ in range(3):
+            loss = causal_lm_loss(model, batch, n)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append((loss.item(), norm.item()))
+        return compiled, out, model
+
+    eager_flags, eager, _ = trajectory(False)
+    compiled_flags, compiled, model = trajectory(True)
+    assert not any(eager_flags) and all(compiled_flags)
+    assert model.relaytune_warmup.seconds is not None, "the warm-up was timed and printed"
+    for (l1, g1), (l2, g2) in zip(eager, compiled):
+        assert l2 == pytest.approx(l1, rel=COMPILE_RTOL)
+        assert g2 == pytest.approx(g1, rel=COMPILE_RTOL)
+
+
+# --- MFU -------------------------------------------------------------------------------------
+def test_peak_table():
+    assert mfu.peak_flops("NVIDIA H200") == 989e12
+    assert mfu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert mfu.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert mfu.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert mfu.peak_flops("Tesla T4") == 65e12
+    assert mfu.peak_flops("NVIDIA L4") == 121e12
+    assert mfu.peak_flops("NVIDIA L40S") == 362e12
+    assert mfu.peak_flops("NVIDIA A10G") == 125e12
+    assert mfu.peak_flops("Some Future GPU") is None
+
+
+def test_flops_per_token_qwen25_3b_matches_the_review():
+    """6N + 12*L*H*head_dim*S for Qwen2.5-3B at S=2048: N = 3.086e9 (tied head counted), 20.3 GFLOP."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                  num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                                  tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.requires_grad_(False)
+    f = mfu.flops_per_token(model, 2048)
+    assert f.n_matmul == pytest.approx(3.086e9, rel=1e-3)
+    attention = 12 * 36 * 16 * 128 * 2048
+    assert f.six_n == 6 * f.n_matmul + attention
+    assert f.six_n / 1e9 == pytest.approx(20.3, abs=0.05)
+    assert f.lora == 4 * f.n_matmul + attention  # nothing trainable here: all frozen
+
+
+def test_mfu_is_absent_on_the_cpu(tiny_model, tmp_path, one_thread):
+    cfg = _cfg(tiny_model, tmp_path)
+    model = _model(cfg)
+    assert mfu.MfuMeter(model, 128, choose_precision(cfg)).fields(1000.0) == {}
+    f = mfu.flops_per_token(model, 128)
+    assert 0 < f.n_trainable < f.n_matmul
+    assert f.lora < f.six_n
+
+
+# --- checkpoint staging ----------------------------------------------------------------------
+def _state_tensors(device) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {"a": torch.randn(4, 8, generator=g).to(device), "b": torch.randn(3, generator=g).to(device).bfloat16(),
+            "step": torch.tensor(7.0).to(device), "t": torch.randn(8, 4, generator=g).to(device).t()}
+
+
+def test_cpu_snapshot_bytes_are_unchanged():
+    from safetensors.torch import save
+
+    from relaytune.checkpoint.state import deferred_safetensors
+
+    tensors = _state_tensors("cpu")
+    expected = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+    deferred = deferred_safetensors(tensors, {"format": "pt"})
+    for v in tensors.values():
+        v.add_(1)  # training goes on: the snapshot keeps the values it was taken with
+    assert deferred() == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging is the CUDA path")
+def test_cuda_snapshot_stages_in_reused_pinned_buffers():
+    from safetensors.torch import save
+
+    from relaytune.checkpoint.state import _PinnedSnapshot, deferred_safetensors
+
+    tensors = _state_tensors("cuda")
+    expected = save({k: v.cpu().contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+    before = torch.cuda.memory_allocated()
+    deferred = deferred_safetensors(tensors, {"format": "pt"})
+    assert torch.cuda.memory_allocated() == before, "no GPU clone"
+    for v in tensors.values():
+        v.add_(1)  # queued after the copies on the training stream
+    assert deferred() == expected and deferred() == expected
+    pooled = {id(b) for bufs in _PinnedSnapshot._free.values() for b in bufs}
+    again = deferred_safetensors(_state_tensors("cuda"), {"format": "pt"})
+    assert {id(b) for b in again.owned} <= pooled, "the buffers are reused"
+    assert all(b.is_pinned() for b in again.owned)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled layers + FlexAttention training is the GPU path")
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+def test_cuda_compiled_flex_matches_eager_sdpa(tiny_model, tmp_path, dtype, rtol):
+    """On the GPU: eager SDPA vs compiled layers + document-masked FlexAttention, 3 AdamW steps."""
+    def trajectory(**settings):
+        cfg = _cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True,
+                   bf16=dtype == torch.bfloat16, **settings)
+        model = _model(cfg)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        batch = {k: v.cuda() for k, v in _packed_batch(model.config.vocab_size).items()}
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        out = []
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                loss = causal_lm_loss(model, batch, n)
+            loss.backward()
+            out.append((loss.item(), torch.nn.utils.clip_grad_norm_(params, 1.0).item()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model.relaytune_speedups, out
+
+    applied, eager = trajectory(torch_compile=False, attention="sdpa")
+    assert applied == []
+    applied, fast = trajectory(torch_compile=True, attention="flex")
+    assert len(applied) == 2, applied
+    for (l1, g1), (l2, g2) in zip(eager, fast):
+        assert l2 == pytest.approx(l1, rel=rtol) and g2 == pytest.approx(g1, rel=rtol)
