@@ -42,7 +42,8 @@ def case(args) -> None:
     quant = {} if args.arch == "tiny" else dict(load_in_4bit=True, optim="paged_adamw_8bit")
     name = f"auto-choice-{args.arch}-{args.mode}"
     result = run(name, model, data, max_steps=args.steps, global_batch_size=args.global_batch,
-                 max_seq_length=seq, save_steps=max(1, args.steps // 2), save_total_limit=None, **MODES[args.mode], **quant)
+                 max_seq_length=seq, save_steps=max(1, args.steps // 2), save_total_limit=None,
+                 **MODES[args.mode], **quant)
     # the newest checkpoint's trainer_state.json (save_steps < steps, so one is committed mid-run)
     states = sorted((WORK / "runs" / name).rglob("trainer_state.json"), key=lambda p: p.stat().st_mtime)
     state = json.loads(states[-1].read_text())
