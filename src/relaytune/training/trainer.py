@@ -27,13 +27,13 @@ from relaytune.data import prepare_data
 from relaytune.data.batches import DataOrder, total_steps
 from relaytune.data.packing import check_isolation
 from relaytune.distributed import agree, world
-from relaytune.errors import StoppedEarly, TrainingDiverged, UserError
+from relaytune.errors import StoppedEarly, UserError
 from relaytune.log import info, notice, warn
 from relaytune.model import choose_precision, enable_checkpointing, load_model, load_tokenizer, resolve_source
-from relaytune.observe.metrics import MetricsLog, SessionLog, parse_records
+from relaytune.observe.metrics import MetricsLog, SessionLog
 from relaytune.observe.trackers import open_trackers
 from relaytune.run_dir import RunDir
-from relaytune.training import autobatch
+from relaytune.training import autobatch, rollback, stopping
 from relaytune.training.environment import time_budget, warn_storage
 from relaytune.training.evaluation import eval_loss
 from relaytune.training.optim import build_optimizer, build_scheduler, warmup_steps
@@ -43,14 +43,10 @@ from relaytune.training.recovery import (
     Recovery,
     free_memory,
     is_bad_step,
-    lower_learning_rate,
-    oom_advice,
     shrink_after_oom,
 )
 from relaytune.training.step import StepParts, StepResult, optimizer_step
 from relaytune.training.stops import Abandoned, StopRequest
-
-MAX_ROLLBACKS = 5  # rollbacks in one session before the run stops with a diagnosis
 
 
 @dataclass
@@ -399,125 +395,16 @@ class Trainer:
     # --- recovery and stopping ---------------------------------------------------------------
     def roll_back(self) -> None:
         """Repeated non-finite steps: return to the last committed state, then lower the LR or stop."""
-        cfg, bad_at, before = self.cfg, self.state.step, self.recovery
-        skipped = self.state.skipped_steps
-        if self.world.distributed:  # every rank must see the same committed checkpoints: none in flight
-            if self.world.is_main:
-                self.checkpointer.flush()
-            self.world.barrier()
-        streak_began = bad_at - before.consecutive_bad_steps + 1
-        # A rollback whose state fails again before getting past the failure that led to it: that
-        # state is no good, so step back further (an older checkpoint, then the start), or stop.
-        bound = self.rollbacks[-1][0] if self.rollbacks and streak_began <= self.rollbacks[-1][1] else None
-        if len(self.rollbacks) >= MAX_ROLLBACKS:
-            self._diverged(bad_at, f"after {len(self.rollbacks)} rollbacks in this session")
-        loaded = self._rollback_target(bound)
-        if loaded is None:
-            self._diverged(bad_at, "after rolling back to every earlier state" if self.rollbacks else
-                           "and there is no earlier state to return to")
-        self._restore(loaded)
-        self.rollbacks.append((self.state.step, bad_at))
-        # Step records after the rollback point are redone; the events that led here are kept.
-        events = [r for r in parse_records(self.metrics.text()) if "event" in r and r["step"] > self.state.step]
-        self.metrics.reset_to(loaded.metrics)
-        for record in events:
-            self.metrics.write(record)
-        self.state.skipped_steps = skipped
-        where = loaded.where
-        if cfg.on_repeated_nan == "stop":
-            self.metrics.write({"step": self.state.step, "event": "nan_stop", "bad_steps_until": bad_at})
-            raise TrainingDiverged(
-                f"{cfg.max_bad_steps} steps in a row had a non-finite loss or gradient (up to step {bad_at}). "
-                f"The run is intact at {where}. Likely causes: a learning rate too high "
-                f"(now {cfg.learning_rate}), fp16 overflow (use bf16 where the GPU has it), or bad data rows.")
-        new_scale = before.lr_scale * cfg.nan_lr_factor  # the restored schedule carries its own, older scale
-        lower_learning_rate(self.live.scheduler, self.live.optimizer, new_scale / self.recovery.lr_scale)
-        self.recovery.lr_scale = new_scale
-        self.recovery.micro_batch_size, self.recovery.accumulation = before.micro_batch_size, before.accumulation
-        self.metrics.write({"step": self.state.step, "event": "nan_rollback", "bad_steps_until": bad_at,
-                            "lr_scale": new_scale})
-        warn(f"{cfg.max_bad_steps} non-finite steps in a row (up to step {bad_at}): rolled back to {where} "
-             f"and continue with the learning rate x{new_scale:g}")
-
-    def _rollback_target(self, before: int | None) -> Loaded | None:
-        """The newest valid checkpoint (older than step `before`, if given), read and checked; a
-        damaged one is set aside and the one before it taken; then the start of this session's
-        run, if it began fresh; None when nothing is left."""
-        path = self.checkpointer.rollback_point(before)
-        while path is not None:
-            try:
-                loaded = self.checkpointer.load(path)  # (set aside and fall back inside, if damaged)
-                if loaded is not None and (before is None or loaded.state["progress_step"] < before):
-                    from relaytune.checkpoint.load import check_fits
-
-                    check_fits(loaded, self.live)
-                    return loaded
-                path = self.checkpointer.rollback_point(before)
-            except Damaged as e:
-                path = self.checkpointer.give_up_on(path, str(e), before=before)
-        if self.initial_state is not None and (before is None or before > 0):
-            from relaytune.checkpoint.load import load
-
-            return load(self.initial_state, where="the start")
-        return None
-
-    def _diverged(self, bad_at: int, how: str) -> None:
-        path = self.checkpointer.rollback_point()
-        self.metrics.write({"step": self.state.step, "event": "nan_stop", "bad_steps_until": bad_at,
-                            "rollbacks": len(self.rollbacks)})
-        raise TrainingDiverged(
-            f"{self.cfg.max_bad_steps} steps in a row had a non-finite loss or gradient (up to step {bad_at}) "
-            f"{how}; training cannot go on as configured, and re-running will stop the same way. "
-            f"{'The checkpoints (newest ' + path.name + ') are kept' if path else 'No checkpoint is committed'}. "
-            "Likely causes: "
-            f"a learning rate too high (now {self.cfg.learning_rate}), fp16 overflow (use bf16 where the GPU "
-            "has it), or bad data rows.")
+        rollback.roll_back(self)
 
     def stop_after_oom(self) -> None:
-        advice = oom_advice(self.cfg)
-        step = self.state.step
-        path = self.world.decide(lambda: self.checkpointer.save(self.snapshot, step, wait=True))
-        if path is None:
-            raise TrainingDiverged(advice)
-        raise StoppedEarly(f"{advice}\nCheckpoint {path.name} is committed", self.state.step, str(path), how="oom")
+        stopping.stop_after_oom(self)
 
     def stop_and_save(self, stop: StopRequest, signal: bool | None = None) -> None:
-        """Save and stop (exit 75). Several ranks: every rank arrives here at the same step (agreed),
-        rank 0 commits the one checkpoint and every rank learns its path."""
-        signal = bool(stop.signal_name) if signal is None else signal
-        why = (stop.signal_name or "a signal on another rank") if signal else f"time limit ({self.deadline.source})"
-        how = "signal" if signal else "time_limit"
-        began = stop.at or time.monotonic()
-        step = self.state.step
-        stop.saving = True
-        if self.unsafe_to_save():
-            self.checkpointer.flush()
-            last = self.checkpointer.rollback_point()
-            intact = f"the run is intact at {last.name}" if last else "no checkpoint is committed"
-            raise StoppedEarly(f"stopped by {why} at step {step} without a new checkpoint (the state is not "
-                               f"finite); {intact}",
-                               step, str(last) if last else None, how=how)
-        # `since`: the cost of a stop is measured from the request (the signal), not from the save.
-        path = self.world.decide(lambda: self.checkpointer.save(self.snapshot, step, since=began, wait=True))
-        stop.committed = path is not None
-        if path is None:
-            raise StoppedEarly(f"stopped by {why} at step {step}, but the checkpoint could not be written",
-                               step, None, how=how)
-        info(f"stopped by {why}: checkpoint {path.name} committed {time.monotonic() - began:.1f}s after "
-             "the request; run the same command to continue")
-        raise StoppedEarly(f"stopped by {why} at step {step}", step, str(path), how=how)
+        stopping.stop_and_save(self, stop, signal)
 
     def abandon_step(self, stop: StopRequest) -> None:
-        """A second signal during a step: leave it unsaved; the newest committed checkpoint stands."""
-        self.live.optimizer.zero_grad(set_to_none=True)
-        self.checkpointer.flush()  # a background save already under way is let finish: it is a whole step
-        last = self.checkpointer.rollback_point()
-        stop.committed = True
-        where = f"the last committed checkpoint, {last.name}, is intact" if last else "no checkpoint is committed yet"
-        info(f"stopped by a second {stop.signal_name} during step {self.state.step + 1}: that step is abandoned "
-             f"unsaved; {where}; run the same command to continue")
-        raise StoppedEarly(f"stopped by {stop.signal_name} during step {self.state.step + 1} (abandoned); {where}",
-                           self.state.step, str(last) if last else None, how="signal")
+        stopping.abandon_step(self, stop)
 
     # --- the end -----------------------------------------------------------------------------
     def finish(self) -> Path:
