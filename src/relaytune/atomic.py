@@ -170,6 +170,13 @@ def commit_folder(files: dict[str, FileBytes], target: Path, meta: dict, points:
     return Path(target)
 
 
+def commit_file(tmp: Path, target: Path) -> None:
+    """A file written in place by a library (not by write_file): fsync it, then give it its real name."""
+    fsync_dir(tmp)  # opening read-only and fsyncing works for a file as for a folder
+    os.replace(tmp, target)
+    fsync_dir(Path(target).parent)
+
+
 def publish(tmp: Path, target: Path) -> None:
     """Give a finished tmp folder (or file) its real name, durably."""
     os.rename(tmp, target)

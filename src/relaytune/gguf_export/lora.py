@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from relaytune import atomic
 from relaytune.errors import UserError
 from relaytune.gguf_export.families import family_of, kv_heads
-from relaytune.gguf_export.model import commit
 from relaytune.gguf_export.tensors import (
     Planned,
     ggml_type,
@@ -48,7 +47,7 @@ def write_lora_gguf(adapter_dir: Path, base_config, out_file: Path, out_type: st
     settings = _lora_settings(adapter_dir)
     plan = _lora_plan(adapter_dir, config, family, LORA_TYPES[out_type])
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = atomic.tmp_path(out_file.parent, out_file.name)
     writer = gguf.GGUFWriter(tmp, family.arch_name)
     try:
         writer.add_type(gguf.GGUFType.ADAPTER)
@@ -57,7 +56,7 @@ def write_lora_gguf(adapter_dir: Path, base_config, out_file: Path, out_type: st
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, settings["alpha"])
         write_planned(writer, plan)
         writer.close()
-        commit(tmp, out_file)
+        atomic.commit_file(tmp, out_file)
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import uuid
 from pathlib import Path
 
 import gguf
 
+from relaytune import atomic
 from relaytune.errors import UserError
 from relaytune.gguf_export.families import add_hyperparameters, load_config
 from relaytune.gguf_export.tensors import (
@@ -35,7 +34,7 @@ def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", *, name: 
     plan = model_plan(safetensors_index(model_dir), config, family, wanted)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     check_disk(out_file.parent, sum(p.nbytes for p in plan))
-    tmp = out_file.with_name(f".{out_file.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = atomic.tmp_path(out_file.parent, out_file.name)
     writer = gguf.GGUFWriter(tmp, family.arch_name)
     try:
         writer.add_type(gguf.GGUFType.MODEL)
@@ -46,7 +45,7 @@ def write_gguf(model_dir: Path, out_file: Path, out_type: str = "f16", *, name: 
         add_tokenizer(writer, model_dir, config, tokenizer_pre)
         write_planned(writer, plan)
         writer.close()
-        commit(tmp, out_file)
+        atomic.commit_file(tmp, out_file)
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)
@@ -59,18 +58,3 @@ def check_disk(folder: Path, tensor_bytes: int) -> None:
     if need > free:
         raise UserError(f"not enough disk space in {folder}: the GGUF needs about {need / 2 ** 30:.2f} GiB, "
                         f"{free / 2 ** 30:.2f} GiB are free")
-
-
-def commit(tmp: Path, target: Path) -> None:
-    """Make a finished temporary file the target: a crash leaves the old file or the new, never half."""
-    _fsync(tmp)
-    os.replace(tmp, target)
-    _fsync(target.parent)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

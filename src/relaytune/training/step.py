@@ -56,6 +56,12 @@ def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: in
     n_targets = count_targets(rows)  # of the whole global batch, on every rank
     if parts.world.distributed:
         return _distributed_step(parts, parts.world.share(rows), n_targets, micro_batch_size, step)
+    return _update(parts, _forward_backward(parts, rows, n_targets, micro_batch_size, step))
+
+
+def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_size: int,
+                      step: int) -> torch.Tensor:
+    """Gradients of `rows`, micro-batch by micro-batch; returns their summed (normalised) loss."""
     autocast = (torch.autocast(parts.precision.device.type, dtype=parts.precision.autocast)
                 if parts.precision.autocast else contextlib.nullcontext())
     total_loss = torch.zeros((), device=parts.precision.device)
@@ -69,7 +75,7 @@ def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: in
             loss = loss * float("nan")
         (parts.scaler.scale(loss) if parts.scaler else loss).backward()
         total_loss += loss.detach().float()
-    return _update(parts, total_loss)
+    return total_loss
 
 
 def _distributed_step(parts: StepParts, mine: list, n_targets: int, micro_batch_size: int,
@@ -77,21 +83,10 @@ def _distributed_step(parts: StepParts, mine: list, n_targets: int, micro_batch_
     """This rank's share, then agreement on OOM, then the ranks' gradients summed, then the
     same update on every rank (their gradients, hence weights and optimizer states, are equal)."""
     world = parts.world
-    autocast = (torch.autocast(parts.precision.device.type, dtype=parts.precision.autocast)
-                if parts.precision.autocast else contextlib.nullcontext())
     total_loss = torch.zeros((), device=parts.precision.device)
     oom: torch.OutOfMemoryError | None = None
     try:
-        for i, batch in enumerate(micro_batches(mine, micro_batch_size, parts.pad_id)):
-            batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
-            if faults.oom_now(step, i):
-                raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
-            with autocast:
-                loss = causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked)
-            if i == 0 and faults.nan_now(step):
-                loss = loss * float("nan")
-            (parts.scaler.scale(loss) if parts.scaler else loss).backward()
-            total_loss += loss.detach().float()
+        total_loss = _forward_backward(parts, mine, n_targets, micro_batch_size, step)
     except torch.OutOfMemoryError as e:
         oom = e
     if agree.any_oom(world, oom is not None):  # every rank redoes the step with half the micro-batch
