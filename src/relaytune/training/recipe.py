@@ -23,6 +23,7 @@ from relaytune import faults
 from relaytune.config import load_config
 from relaytune.distributed.launch import maybe_launch, run_lock
 from relaytune.distributed.world import joined
+from relaytune.errors import UserError
 from relaytune.log import info
 from relaytune.run_dir import RunDir
 from relaytune.training.stops import StopRequest
@@ -44,7 +45,7 @@ class RunResult:
 def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
     """Train, or continue the run in the config's output_dir. The CLI calls exactly this."""
     cfg = load_config(config, overrides)
-    run = RunDir(Path(cfg.output_dir).expanduser().resolve())
+    run = _run_dir(cfg)
     if run.is_finished():
         return already_finished(cfg, run, fresh, config, overrides)
     if (launched := maybe_launch(cfg, run, config, fresh, overrides)) is not None:
@@ -52,6 +53,7 @@ def train(config=None, /, *, fresh: bool = False, **overrides) -> RunResult:
     faults.reset()  # a test's fault plan is read once per run
     created = _missing_folders(run.root)  # removed again if the run fails before it has anything
     try:
+        _create(run.root)
         # One training process (or launch) per run folder; a second one exits 2 touching nothing.
         with joined() as world, run_lock(world, run.root):
             trainer = Trainer(cfg, run)
@@ -172,3 +174,24 @@ def _command(config, overrides: dict | None, extra: dict, fresh: bool = False) -
         return " ".join(shlex.quote(w) for w in words) + (" --fresh" if fresh else "")
     args = ", ".join(f"{k}={v!r}" for k, v in settings.items())
     return f"relaytune.train(config, {args}" + (", fresh=True)" if fresh else ")")
+
+
+def _run_dir(cfg) -> RunDir:
+    """output_dir as an absolute folder, or a message that says why it cannot be one (exit 2)."""
+    raw = Path(cfg.output_dir).expanduser()
+    try:
+        root = raw.resolve()
+        is_file = root.exists() and not root.is_dir()
+    except (RuntimeError, OSError) as e:  # Python reports a symlink loop as a RuntimeError
+        raise UserError(f"`output_dir`: {raw} cannot be used ({e}); choose another folder") from None
+    if is_file:
+        raise UserError(f"`output_dir`: {root} is a file, not a folder; choose a folder (it is created if missing)")
+    return RunDir(root)
+
+
+def _create(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only parent, a full disk, a path through a file
+        raise UserError(f"`output_dir`: cannot create {root} ({e.strerror or e}); choose a folder you can "
+                        "write to") from None
