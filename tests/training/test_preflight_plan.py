@@ -28,6 +28,7 @@ def fake_gpu(monkeypatch):
     def fake(free: int, total: int = H200, name: str = "NVIDIA H200", fraction: float = 1.0):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, total))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)

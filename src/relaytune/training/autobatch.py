@@ -83,18 +83,20 @@ def divisors(n: int) -> list[int]:
 def device_identity() -> tuple[str, int]:
     if not torch.cuda.is_available():
         return "cpu", 0
-    return torch.cuda.get_device_name(0), int(torch.cuda.mem_get_info(0)[1])
+    device = torch.cuda.current_device()  # each rank's own GPU
+    return torch.cuda.get_device_name(device), int(torch.cuda.mem_get_info(device)[1])
 
 
 def gpu_budget_bytes() -> int:
-    """What torch's allocator may still get on GPU 0: free memory, under any per-process fraction cap."""
-    free, total = torch.cuda.mem_get_info(0)
+    """What torch's allocator may still get on this rank's GPU: free memory, under any fraction cap."""
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
     fraction = 1.0
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if getter is not None:
         with contextlib.suppress(Exception):
-            fraction = float(getter(0))
-    capped = int(fraction * total) - torch.cuda.memory_reserved(0)
+            fraction = float(getter(device))
+    capped = int(fraction * total) - torch.cuda.memory_reserved(device)
     return max(0, min(int(free), capped))
 
 
