@@ -106,7 +106,8 @@ class Trainer:
 
     def _check_schedule(self) -> None:
         warmup = warmup_steps(self.cfg, self.total)
-        if warmup >= self.total:  # Hugging Face's Trainer accepts this too; the schedule handles it
+        # Hugging Face's Trainer accepts this too; with max_steps set, the config already said so.
+        if warmup >= self.total and self.cfg.max_steps <= 0:
             warn(f"warmup ({warmup} steps) is not shorter than the run ({self.total} steps): the learning "
                  "rate never reaches its peak; training goes on as configured, as Hugging Face's Trainer does")
 
