@@ -220,7 +220,10 @@ def kill_launcher_and_resume(tmp_path, tiny_model, data_file, fork_cli, two_proc
     t0 = time.monotonic()
     while killed < kills:
         started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.6"})
-        time.sleep(rng.uniform(0.3, 2.8))  # set-up takes ~1.5 s, then a step every ~0.6 s: kills land in both
+        # Set-up takes ~1.5 s, then a step every ~0.6 s: kills land in both. Near the end of the 12 steps
+        # the kills come sooner, so that the run cannot finish before it has been killed `kills` times.
+        newest = max((int(p.name[5:]) for p in run.glob("checkpoints/step-*") if p.name[5:].isdigit()), default=0)
+        time.sleep(rng.uniform(0.3, 2.8 if newest < 8 else 1.2))
         workers = children(started.pid)
         try:
             os.kill(started.pid, signal.SIGKILL)
