@@ -114,7 +114,7 @@ def _own_latest(store: CheckpointStore) -> Path | None:
 
 def _kaggle_relay_applies(store: CheckpointStore) -> bool:
     # Lazily, and torch-free: the platform is the one thing checkpoint/ asks of training/.
-    from relaytune.training.environment import platform
+    from relaytune.platforms import platform
 
     return platform() == "kaggle" and not RunDir(store.root.parent).looks_like_a_run()
 

@@ -1,5 +1,5 @@
-"""Where we run: Kaggle, Colab, SLURM or plain; the deadline each one implies;
-whether output_dir survives the session.
+"""The deadline each platform implies, and whether output_dir survives the session
+(platforms.py says which platform this is).
 
 Everything reads the environment passed in (default os.environ), so tests fake
 a platform by handing in a dict.
@@ -14,24 +14,10 @@ from pathlib import Path
 
 from relaytune.config.schema import TrainConfig, parse_duration, parse_timestamp
 from relaytune.log import warn
+from relaytune.platforms import COLAB_DRIVE, KAGGLE_PERSISTENT, platform
 from relaytune.training.stops import Deadline
 
 KAGGLE_SESSION_SECONDS = 12 * 3600  # Kaggle's documented limit for CPU and GPU sessions
-KAGGLE_PERSISTENT = Path("/kaggle/working")
-COLAB_DRIVE = Path("/content/drive")
-
-
-def platform(env=None) -> str:
-    env = os.environ if env is None else env
-    if "KAGGLE_KERNEL_RUN_TYPE" in env or "KAGGLE_URL_BASE" in env:
-        return "kaggle"
-    if "COLAB_RELEASE_TAG" in env or "COLAB_GPU" in env or "COLAB_BACKEND_VERSION" in env:
-        return "colab"
-    if "SLURM_JOB_ID" in env:
-        return "slurm"
-    return "local"
-
-
 def time_budget(cfg: TrainConfig, env=None, now: float | None = None,
                 session_start: float | None = None) -> Deadline:
     """The earliest of: time_limit from now, the deadline key, the platform's own limit."""
