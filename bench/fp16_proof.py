@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -31,28 +30,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
-from gpu_bench import WORK, build_model  # noqa: E402
+from gpu_bench import WORK, build_model, pattern_data  # noqa: E402
 
 OUT = WORK / "fp16"
 TOLERANCE = 0.05  # fp16 vs bf16: relative loss difference after step 20 (both round differently)
 RESUME_TOLERANCE = 1e-2  # the resumed fp16 curve vs the uninterrupted one (GPU kernels are not bit-exact)
-
-
-def pattern_data(rows: int, seq: int) -> Path:
-    """Rows of one cycle of 24 words from a random starting point: predictable after a few tokens."""
-    from relaytune.tiny import CORPUS
-
-    path = OUT / f"pattern-{rows}-{seq}.jsonl"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    words = list(dict.fromkeys(" ".join(CORPUS).split()))[:24]
-    rng = random.Random(0)
-    with open(path, "w") as fh:
-        for _ in range(rows):
-            start = rng.randrange(len(words))
-            fh.write(json.dumps({"text": " ".join(words[(start + i) % len(words)] for i in range(seq))}) + "\n")
-    return path
 
 
 def config(args, name: str, precision: str) -> dict:

@@ -81,6 +81,23 @@ def long_text_data(rows: int, seq: int) -> Path:
     return path
 
 
+def pattern_data(rows: int, seq: int) -> Path:
+    """Rows of one cycle of 24 words from a random starting point: predictable after a few tokens."""
+    from relaytune.tiny import CORPUS
+
+    path = WORK / f"pattern-{rows}-{seq}.jsonl"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    words = list(dict.fromkeys(" ".join(CORPUS).split()))[:24]
+    rng = random.Random(0)
+    with open(path, "w") as fh:
+        for _ in range(rows):
+            start = rng.randrange(len(words))
+            fh.write(json.dumps({"text": " ".join(words[(start + i) % len(words)] for i in range(seq))}) + "\n")
+    return path
+
+
 def run(name: str, model: Path, data: Path, **cfg) -> dict:
     out = WORK / "runs" / name
     shutil.rmtree(out, ignore_errors=True)

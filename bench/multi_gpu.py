@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import signal
 import statistics
@@ -61,7 +60,7 @@ SRC = HERE.parent / "src"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(SRC))
 import gpu_bench  # noqa: E402
-from gpu_bench import WORK, build_model, long_text_data  # noqa: E402
+from gpu_bench import WORK, build_model, long_text_data, pattern_data  # noqa: E402
 
 gpu_bench.ARCHS.setdefault("qwen2.5-0.5b", dict(
     model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -256,23 +255,6 @@ def adapter_diff(a: Path, b: Path) -> float | None:
 
 
 # --- configs -------------------------------------------------------------------------------------
-
-def pattern_data(rows: int, seq: int) -> Path:
-    """Rows cycling through 24 words (a learnable pattern: the loss falls, so curves can be compared)."""
-    from relaytune.tiny import CORPUS
-
-    path = OUT / f"pattern-{rows}-{seq}.jsonl"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    words = list(dict.fromkeys(" ".join(CORPUS).split()))[:24]
-    rng = random.Random(0)
-    with open(path, "w") as fh:
-        for _ in range(rows):
-            start = rng.randrange(len(words))
-            fh.write(json.dumps({"text": " ".join(words[(start + i) % len(words)] for i in range(seq))}) + "\n")
-    return path
-
 
 def config(args, name: str, data: Path, **kw) -> dict:
     out = OUT / "runs" / name
