@@ -33,11 +33,12 @@ MODES = {
 def case(args) -> None:
     import torch
 
+    seq = args.seq if args.arch != "tiny" else 128
+    model = build_model(args.arch)  # before the cap: building the random weights on the GPU is not training
     if torch.cuda.is_available():
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total)
-    seq = args.seq if args.arch != "tiny" else 128
-    model = build_model(args.arch)
     data = long_text_data(args.global_batch * (args.steps + 2), seq)
     quant = {} if args.arch == "tiny" else dict(load_in_4bit=True, optim="paged_adamw_8bit")
     name = f"auto-choice-{args.arch}-{args.mode}"

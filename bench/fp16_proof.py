@@ -33,8 +33,15 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from gpu_bench import WORK, build_model, pattern_data  # noqa: E402
 
 OUT = WORK / "fp16"
-TOLERANCE = 0.05  # fp16 vs bf16: relative loss difference after step 20 (both round differently)
-RESUME_TOLERANCE = 1e-2  # the resumed fp16 curve vs the uninterrupted one (GPU kernels are not bit-exact)
+# Two curves agree at a step when |a - b| <= rel x |b| + abs. The absolute floor matters once the pattern
+# is learned: at a loss of 2e-4 a difference of 1e-4 is rounding, not divergence.
+TOLERANCE = (0.05, 2e-3)  # fp16 vs bf16 after step 20 (the two formats round differently)
+RESUME_TOLERANCE = (1e-2, 1e-4)  # the resumed fp16 curve vs the uninterrupted one (GPU kernels are not bit-exact)
+
+
+def agree(a: float, b: float, tolerance: tuple[float, float]) -> bool:
+    rel, floor = tolerance
+    return abs(a - b) <= rel * abs(b) + floor
 
 
 def config(args, name: str, precision: str) -> dict:
@@ -154,7 +161,10 @@ def report(args) -> int:
     if common:
         rel = max(abs(fp16[s] - bf16[s]) / abs(bf16[s]) for s in common)
         summary["max_rel_diff_fp16_vs_bf16_after_step_20"] = round(rel, 5)
-        ok &= rel <= TOLERANCE
+        summary["max_abs_diff_fp16_vs_bf16_after_step_20"] = round(max(abs(fp16[s] - bf16[s]) for s in common), 6)
+        summary["tolerance_rel_abs"] = TOLERANCE
+        summary["steps_outside_tolerance"] = [s for s in common if not agree(fp16[s], bf16[s], TOLERANCE)]
+        ok &= not summary["steps_outside_tolerance"]
         summary["loss_first_last_fp16"] = (fp16[min(fp16)], fp16[max(fp16)])
     if "fp16" in got:
         skips = got["fp16"]["scaler_skips"]
@@ -166,15 +176,18 @@ def report(args) -> int:
         stop = r.get("stopped_at") or 0
         after = [s for s in res if s > stop and s in fp16]
         diff = max((abs(res[s] - fp16[s]) / abs(fp16[s]) for s in after), default=None)
+        outside = [s for s in after if not agree(res[s], fp16[s], RESUME_TOLERANCE)]
         same_scaler = {s: (st, got["fp16"]["scalers"].get(str(s)) if "fp16" in got else None)
                        for s, st in ((int(k), v) for k, v in r["scalers"].items()) if s > stop}
         restored = all(a == b for a, b in same_scaler.values()) if same_scaler else None
         summary["resume"] = {"first_exit": r["first_exit"], "second_exit": r["second_exit"], "stopped_at": stop,
                              "scaler_at_stop": r["scaler_at_stop"], "max_rel_diff_after_stop": diff,
+                             "max_abs_diff_after_stop": max((abs(res[s] - fp16[s]) for s in after), default=None),
+                             "tolerance_rel_abs": RESUME_TOLERANCE, "steps_outside_tolerance": outside,
                              "scaler_state_equal_to_uninterrupted_after_stop": restored,
-                             "compared": same_scaler}
+                             "checkpoints_compared": sorted(same_scaler)}
         ok &= r["first_exit"] == 75 and r["second_exit"] == 0 and stop > 0
-        ok &= diff is not None and diff <= RESUME_TOLERANCE
+        ok &= bool(after) and not outside
         if r["scaler_at_stop"] is not None:  # a GPU run: fp16 with a scaler
             ok &= bool(restored)
     summary["verdict"] = "PASS" if ok else "FAIL"

@@ -34,7 +34,9 @@ from relaytune.plan.gpus import CUDA_CONTEXT_GIB  # noqa: E402
 # Planner table id and the gpu_bench.ARCHS key its random-init model is built and cached under.
 MODELS = {"q05": ("Qwen/Qwen2.5-0.5B", "qwen2.5-0.5b"), "q3": ("Qwen/Qwen2.5-3B", "qwen2.5-3b"),
           "q7": ("Qwen/Qwen2.5-7B", "qwen2.5-7b"), "l8": ("meta-llama/Meta-Llama-3-8B", "llama-3-8b")}
+TORCH_COMPILE = {"auto": "auto", "false": False}  # --torch-compile; auto compiles each layer on CUDA
 STEPS, SAVE_STEPS = 6, 3  # the save after step 3 overlaps step 4, as a save every 30 s does in a real run
+ARGS = argparse.Namespace(torch_compile="auto")
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,14 @@ class Case:
     def settings(self) -> Settings:
         qlora = self.quant == "qlora"
         return Settings(max_seq_length=self.seq, quantization="nf4" if qlora else "none",
-                        optim="paged_adamw_8bit" if qlora else "adamw_torch", lora_r=16, lora_dropout=0.05)
+                        optim="paged_adamw_8bit" if qlora else "adamw_torch", lora_r=16, lora_dropout=0.05,
+                        compiled_layers=ARGS.torch_compile != "false")  # auto compiles on any card measured here
 
     def train_config(self) -> dict:
         cfg = dict(max_steps=STEPS, save_steps=SAVE_STEPS, per_device_train_batch_size=self.micro_batch,
                    gradient_accumulation_steps=1, max_seq_length=self.seq, gradient_checkpointing=self.gc,
-                   optim="paged_adamw_8bit" if self.quant == "qlora" else "adamw_torch")
+                   optim="paged_adamw_8bit" if self.quant == "qlora" else "adamw_torch",
+                   torch_compile=TORCH_COMPILE[ARGS.torch_compile])
         if self.quant == "qlora":
             cfg["load_in_4bit"] = True
         return cfg
@@ -77,6 +81,13 @@ CASES = [
     Case("l8", "qlora", 2048, 4, True, cap=True), Case("l8", "qlora", 2048, 8, True, cap=True),
     Case("l8", "qlora", 512, 1, False, cap=True),
     Case("q7", "qlora", 2048, 2, True, cap=True), Case("q7", "lora", 512, 4, True),
+]
+# Configurations the planner's compiled-layer terms were not derived from (run with --cases NAME):
+# other sequence lengths and micro-batches, a 4-bit 7B without checkpointing, a bf16 8B.
+HELD_OUT = [
+    Case("q05", "qlora", 2048, 8, True), Case("q3", "lora", 1024, 2, False),
+    Case("q3", "qlora", 4096, 2, True, cap=True), Case("l8", "qlora", 1024, 4, True),
+    Case("l8", "lora", 512, 2, True), Case("q7", "qlora", 1024, 2, False, cap=True),
 ]
 
 
@@ -102,7 +113,8 @@ def measure(case: Case, cap_gib: float | None) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / total if cap_gib else 1.0)
     try:
-        result = gpu_bench.run(f"plan-{case.name}{'-cap' if cap_gib else ''}", model, data, **case.train_config())
+        name = f"plan-{case.name}{'-eager' if ARGS.torch_compile == 'false' else ''}{'-cap' if cap_gib else ''}"
+        result = gpu_bench.run(name, model, data, **case.train_config())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     ooms = [e for e in result["events"] if e.get("event") == "oom"]
@@ -113,6 +125,7 @@ def measure(case: Case, cap_gib: float | None) -> dict:
 
 def run_case(case: Case, cap_gib: float) -> dict:
     line = predict(case, cap_gib)
+    line["torch_compile"] = ARGS.torch_compile
     above_cap = line["predicted_gib"] > cap_gib
     if not case.cap or above_cap:
         line["measured"] = measure(case, None)
@@ -165,8 +178,16 @@ def main() -> None:
     p.add_argument("--cap-gib", type=float, default=14.5, help="memory cap for the verdict cases (default 14.5)")
     p.add_argument("--budget-s", type=float, default=420, help="skip the remaining cases after this long")
     p.add_argument("--keep-models", action="store_true", help="keep the model folders this run builds")
+    p.add_argument("--torch-compile", default="auto", choices=sorted(TORCH_COMPILE),
+                   help="torch_compile of every case (auto: each layer compiled on CUDA; false: eager)")
+    p.add_argument("--rescore", nargs="+", metavar="JSONL",
+                   help="no GPU: score measured lines of earlier runs against this planner, as a markdown table")
     args = p.parse_args()
-    chosen = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
+    ARGS.torch_compile = args.torch_compile
+    if args.rescore:
+        return rescore(args.rescore, args.cap_gib)
+    chosen = [c for c in CASES + HELD_OUT if c in CASES and not args.cases or args.cases
+              and c.name in args.cases.split(",")]
     if args.dry_run:
         for case in chosen:
             print(json.dumps(predict(case, args.cap_gib)))
@@ -191,6 +212,34 @@ def _drop_model_if_done(case: Case, rest: list[Case], created: set[Path], keep: 
     folder = gpu_bench.WORK / "models" / MODELS[case.model][1]
     if not keep and folder in created and all(c.model != case.model for c in rest):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def rescore(paths: list[str], cap_gib: float) -> None:
+    """Today's prediction and verdict against each measured line (its own torch_compile setting)."""
+    by_name = {c.name: c for c in CASES + HELD_OUT}
+    held = {c.name for c in HELD_OUT}
+    lines = []
+    print("| case | torch_compile | predicted GiB | measured GiB | error | verdict under "
+          f"{cap_gib:g} GiB | under the cap | verdict right |\n|---|---|---|---|---|---|---|---|")
+    for path in paths:
+        for raw in Path(path).read_text().splitlines():
+            old = json.loads(raw)
+            if old.get("case") not in by_name or "measured_gib" not in old:
+                continue
+            ARGS.torch_compile = old.get("torch_compile", "false")
+            line = predict(by_name[old["case"]], cap_gib)
+            line["error_pct"] = round(100 * (line["predicted_gib"] / old["measured_gib"] - 1), 1)
+            capped = old.get("under_cap")
+            if capped is not None:
+                line["verdict_right"] = _verdict_right(line["verdict_under_cap"], capped["oom"])
+            ran = "not capped" if capped is None else (
+                f"OOM, stepped down to {capped['final_micro_batch']}" if capped["oom"] else "ran")
+            right = {True: "yes", False: "**no**", None: ""}[line.get("verdict_right")] if capped else ""
+            name = old["case"] + (" (held out)" if old["case"] in held else "")
+            print(f"| {name} | {ARGS.torch_compile} | {line['predicted_gib']:.2f} | {old['measured_gib']:.2f} | "
+                  f"{line['error_pct']:+.1f}% | {line['verdict_under_cap']} | {ran} | {right} |")
+            lines.append(line)
+    print("\n" + json.dumps(summary(lines, 0.0)))
 
 
 def summary(lines: list[dict], seconds: float) -> dict:

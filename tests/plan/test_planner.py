@@ -351,3 +351,42 @@ def test_bench_dry_run_lists_enough_cases():
     verdicts = {c["verdict_under_cap"] for c in cases}
     assert {"fits", "does not fit"} <= verdicts
     assert all(abs(sum(c["predicted_parts_gib"].values()) - c["predicted_gib"]) < 0.01 for c in cases)
+
+
+# --- compiled layers (torch_compile: auto on a CUDA card) ------------------------------------------
+# H200 peaks with every decoder layer compiled, loss chunk 256, a checkpoint mid-run
+# (bench/results/raw-planner-h200-compiled.jsonl). The last three were measured after the compiled-layer
+# terms were written; the 4-bit backward constant was then fitted to all eight QLoRA cases with checkpointing.
+QWEN05, QWEN7B = "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-7B"
+COMPILED = {"compiled_layers": True}
+COMPILED_CALIBRATION = [
+    (QWEN05, 4, False, {"max_seq_length": 2048}, 12.234),
+    (QWEN3B, 8, False, {**QLORA, "max_seq_length": 512}, 20.744),
+    (QWEN3B, 16, True, {**QLORA, "max_seq_length": 2048}, 13.327),
+    (LLAMA8B, 8, True, {**QLORA, "max_seq_length": 2048}, 14.571),
+    (QWEN3B, 2, False, {"max_seq_length": 1024}, 15.898),
+    (QWEN7B, 2, False, {**QLORA, "max_seq_length": 1024}, 18.153),
+    (QWEN05, 8, True, {**QLORA, "max_seq_length": 2048}, 2.720),
+]
+
+
+@pytest.mark.parametrize("model,mb,gc,settings,measured", COMPILED_CALIBRATION)
+def test_compiled_predictions_within_10_percent_of_the_h200_measurements(model, mb, gc, settings, measured):
+    assert peak(model, mb, gc, **settings, **COMPILED) == pytest.approx(measured, rel=0.10)
+
+
+def test_a_compiled_layer_saves_the_norm_inputs_in_half_precision_and_drops_the_silu_product():
+    arch = resolve_architecture(LLAMA8B)
+    eager, compiled = Settings(max_seq_length=512), Settings(max_seq_length=512, **COMPILED)
+    h, inter, a = arch.hidden_size, arch.intermediate_size, 2
+    saved = {s: estimate_memory(arch, s, 1, False).parts["saved activations"] for s in (eager, compiled)}
+    per_token_layer = (saved[eager] - saved[compiled]) / (arch.num_layers * 512)
+    assert per_token_layer == arch.norms_per_layer * (4 - a) * h + a * inter
+
+
+def test_torch_compile_auto_compiles_on_cards_with_triton_only():
+    from relaytune.plan.planner import compiles_layers
+
+    assert compiles_layers("auto", parse_gpu("T4")) and compiles_layers("auto", parse_gpu("H200"))
+    assert not compiles_layers("auto", parse_gpu("P100"))
+    assert not compiles_layers(False, parse_gpu("T4")) and compiles_layers(True, parse_gpu("P100"))

@@ -48,7 +48,7 @@ def test_auto_is_planned_under_the_memory_cap_and_the_table_shows_the_planners_f
             gradient_checkpointing="auto")
     choice = autobatch.choose(c, None)
     arch = resolve_architecture("Qwen/Qwen2.5-3B")
-    gpu = Gpu("x", 14.5 + CUDA_CONTEXT_GIB, True, None)
+    gpu = Gpu("x", 14.5 + CUDA_CONTEXT_GIB, True, None, compiles=False)  # a faked GPU: no capability to read
     assert (choice.micro_batch, choice.gradient_checkpointing) == choose_auto(
         arch, settings_from_config(c, gpu), gpu, "auto", 16, "auto")
     assert choice.budget_gib == pytest.approx(14.5 + CUDA_CONTEXT_GIB)

@@ -19,6 +19,7 @@ class Gpu:
     bf16: bool
     tflops: float | None  # dense peak of the training dtype (bf16, or fp16 without bf16); None: not known
     note: str = ""
+    compiles: bool = True  # Triton runs here (compute capability 7.0+), so torch_compile: auto compiles layers
 
     @property
     def torch_budget_gib(self) -> float:
@@ -35,7 +36,7 @@ class Gpu:
 # card, rounded down, except the T4: 15 GiB, of which 14.5 GiB is left to torch after the CUDA context.
 TABLE: dict[str, Gpu] = {g.name: g for g in (
     Gpu("T4", 15.0, False, 65.0, "Kaggle and Colab's free card"),
-    Gpu("P100", 15.9, False, 18.7, "Kaggle's other card; no tensor cores"),
+    Gpu("P100", 15.9, False, 18.7, "Kaggle's other card; no tensor cores", compiles=False),
     Gpu("L4", 22.0, True, 121.0),
     Gpu("A10G", 22.0, True, 70.0, "AWS g5 instances"),
     Gpu("A100-40", 39.4, True, 312.0),

@@ -16,15 +16,17 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
   them to the host in the background, during the next step; a fresh run also keeps a clone of
   the initial adapter for a NaN rollback.
 - saved activations, per layer and token: with gradient checkpointing the layer's input (a x h);
-  without, everything autograd keeps (see `layer_saved_bytes`).
+  without, everything autograd keeps (see `layer_saved_bytes`), which is less when torch_compile
+  compiles each layer (Inductor recomputes the norms' upcast and the SiLU product in backward).
 - the peak is reached either in the loss's backward (all saved activations + one loss chunk:
   fp32 log-softmax, its gradient and the input gradient, 12 bytes per logit, chunk of
   CHUNK_TOKENS labelled tokens, recomputed per chunk) or in the backward of the last layer (all
   saved activations + that layer recomputed + the backward's temporaries), whichever is larger.
 - reserved/nvidia-smi adds allocator slack, the CUDA context and paged optimizer state.
 
-The two constants fitted to measurements (BACKWARD_*) come from the H200 figures in
-bench/results/gpu-h200.md (Qwen2.5-3B, loss chunk 256); bench/planner_accuracy.py re-measures.
+The constants fitted to measurements (BACKWARD_*) come from H200 figures: the eager ones from
+bench/results/gpu-h200.md (Qwen2.5-3B, loss chunk 256), the compiled 4-bit one from
+bench/results/planner.md; bench/planner_accuracy.py re-measures, and --rescore re-scores old runs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ LOSS_BYTES_PER_LOGIT = 12  # fp32 log-softmax output + its gradient + the logits
 # half-precision autocast add fp32 copies of those gradients; 4-bit layers skip the fp32 cast.
 BACKWARD_FP32_CAST = 4.3
 BACKWARD_PLAIN = 1.6
+# A compiled 4-bit layer's backward holds more at once: Inductor fuses the layer's gradient work into
+# few kernels around bitsandbytes' dequantizing matmuls, which are graph breaks. Fitted to the eight
+# compiled QLoRA cases with checkpointing in bench/results/planner.md (no held-out check yet).
+BACKWARD_COMPILED_QUANTIZED = 1.5
 BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, whatever the batch
 SLACK_FRACTION = 0.05  # reserved above allocated: the caching allocator's rounding and fragmentation
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages optimizer state of tensors this large
@@ -71,6 +77,7 @@ class Settings:
     chunk_tokens: int = field(default_factory=chunk_tokens)
     staging: bool = True  # a background save's GPU copy may overlap the next step
     rollback_copy: bool = True  # a fresh run keeps the initial adapter on the GPU
+    compiled_layers: bool = False  # torch_compile in force: each decoder layer compiled by Inductor
 
 
 @dataclass
@@ -205,8 +212,12 @@ def layer_saved_bytes(arch: Architecture, s: Settings) -> int:
     Frozen linears keep nothing: their weight gradient is never needed.
     """
     a, h, q, kv = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, arch.q_dim, arch.kv_dim
-    total = 4 * h * arch.norms_per_layer + (4 * (q + kv) if arch.qk_norm else 0)
-    total += a * (2 * q + 2 * kv) + 3 * a * arch.intermediate_size
+    # A compiled layer's partitioner recomputes cheap pointwise work in backward instead of saving it:
+    # each RMSNorm keeps its input in the compute dtype (the fp32 upcast is redone), and the MLP keeps
+    # the gate and up projections but not the SiLU product (a x I less).
+    norm = a if s.compiled_layers else 4
+    total = norm * h * arch.norms_per_layer + (norm * (q + kv) if arch.qk_norm else 0)
+    total += a * (2 * q + 2 * kv) + (2 if s.compiled_layers else 3) * a * arch.intermediate_size
     return total + lora_saved_bytes(arch, s)
 
 
@@ -229,6 +240,8 @@ def working_set(arch: Architecture, s: Settings, tokens: int) -> int:
     a = DTYPE_BYTES[s.compute_dtype]
     casts = s.quantization == "none" and a == 2
     coefficient = BACKWARD_FP32_CAST if casts else BACKWARD_PLAIN
+    if s.compiled_layers and s.quantization != "none":
+        coefficient += BACKWARD_COMPILED_QUANTIZED
     return int(coefficient * a * arch.intermediate_size * tokens) + BACKWARD_FIXED
 
 

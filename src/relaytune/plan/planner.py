@@ -49,7 +49,13 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         max_seq_length=cfg.max_seq_length, quantization=quant,
         double_quant=getattr(cfg, "bnb_4bit_use_double_quant", True), compute_dtype=dtype, optim=cfg.optim,
         lora_r=cfg.lora_r, lora_target_modules=targets if isinstance(targets, str) else tuple(targets),
-        lora_dropout=cfg.lora_dropout, save_only_model=cfg.save_only_model, labelled_fraction=labelled_fraction)
+        lora_dropout=cfg.lora_dropout, save_only_model=cfg.save_only_model, labelled_fraction=labelled_fraction,
+        compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu))
+
+
+def compiles_layers(setting, gpu: Gpu) -> bool:
+    """Whether relaytune will compile the decoder layers on this card, as training/speedups.py decides."""
+    return setting is True or (setting == "auto" and gpu.compiles)
 
 
 @dataclass
@@ -161,6 +167,9 @@ def plan_notes(arch: Architecture, settings: Settings, gpu: Gpu, cfg) -> list[st
     if settings.labelled_fraction >= 1.0:
         notes.append("memory assumes every row of a micro-batch reaches max_seq_length and every token is "
                      "labelled (the worst case a step can meet)")
+    if settings.compiled_layers:
+        notes.append("each decoder layer compiled (torch_compile: auto), which saves fewer activations than "
+                     "eager layers; with torch_compile: false the estimate is for eager layers")
     if not uses_chunked_loss(arch):
         notes.append(f"{arch.model_type} computes its loss through the model's own forward (full logits); "
                      "longer sequences cost much more memory than with relaytune's chunked loss")

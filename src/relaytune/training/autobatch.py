@@ -30,6 +30,7 @@ import torch
 
 from relaytune.errors import UserError
 from relaytune.log import info, warn
+from relaytune.training.speedups import compile_decision
 
 CPU_MICRO_BATCH = 8  # the CPU default for `auto`: the largest divisor of the global batch up to this
 GIB = 2 ** 30
@@ -106,7 +107,16 @@ def planner_gpu():
 
     name, _ = device_identity()
     budget = gpu_budget_bytes() / GIB
-    return Gpu(f"{name} ({budget:.1f} GiB usable)", budget + CUDA_CONTEXT_GIB, torch.cuda.is_bf16_supported(), None)
+    return Gpu(f"{name} ({budget:.1f} GiB usable)", budget + CUDA_CONTEXT_GIB, torch.cuda.is_bf16_supported(), None,
+               compiles=_compiles_here())
+
+
+def _compiles_here() -> bool:
+    """Whether torch_compile: auto compiles the layers on this GPU (False when its capability cannot be read)."""
+    try:
+        return compile_decision("auto", torch.device("cuda"))[0]
+    except (RuntimeError, AssertionError):
+        return False
 
 
 def choose(cfg, saved: dict | None, model_dir: str | None = None) -> AutoChoice:
