@@ -44,6 +44,7 @@ ARCHS = {
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                  tie_word_embeddings=True, max_position_embeddings=4096),
 }
+COMPILE = {"auto": "auto", "true": True, "false": False}
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/relaytune-bench"))
 
 
@@ -135,8 +136,8 @@ def throughput(args) -> None:
     result = run(f"{args.arch}-{args.quant}-b{args.batch}", model, data, max_steps=args.steps,
                  per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
                  max_seq_length=seq, gradient_checkpointing=True, save_steps=args.save_steps,
-                 optim=args.optim, **quant)
-    result.update(arch=args.arch, quant=args.quant, batch=args.batch, seq=seq)
+                 optim=args.optim, torch_compile=COMPILE[args.compile], **quant)
+    result.update(arch=args.arch, quant=args.quant, batch=args.batch, seq=seq, torch_compile=args.compile)
     print(json.dumps(result))
 
 
@@ -202,6 +203,7 @@ def main() -> None:
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--optim", default="adamw_torch")
     p.add_argument("--cap-gib", type=float, default=14.5)
+    p.add_argument("--compile", default="auto", choices=sorted(COMPILE), help="torch_compile for throughput")
     args = p.parse_args()
     {"throughput": throughput, "oom": oom, "stale": stale, "release": release}[args.case](args)
 
