@@ -189,9 +189,7 @@ def test_an_oom_on_rank_1_steps_both_ranks_down(tmp_path, tiny_model, data_file,
     assert_close(tmp_path / "run", one_process)  # same rows, same maths, smaller micro-batches
 
 
-@pytest.mark.skip(reason="UNFINISHED: passes about 1 run in 3; otherwise the elastic restart's second "
-                         "round fails in gloo connectFullMesh (connection refused) and the agent then hangs; "
-                         "see the report of issue 17")
+@pytest.mark.skipif(not os.environ.get("RELAYTUNE_UNFINISHED"), reason="UNFINISHED: passes about 1 run in 3")
 def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(tmp_path, tiny_model, data_file, fork_cli,
                                                                two_process):
     ref_run, _ = two_process
