@@ -241,7 +241,12 @@ def joined():
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    timeout = datetime.timedelta(minutes=30)
+    store = _attempt_store(world, timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout)
     _current = world
     try:
         yield world
@@ -251,6 +256,24 @@ def joined():
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _attempt_store(world: World, timeout):
+    """The process group's store for this restart attempt, when the elastic agent shares its own.
+
+    torchrun's agent keeps one TCP store for every round (TORCHELASTIC_USE_AGENT_STORE), and torch
+    adds no per-attempt prefix to it, so after a restart the process group's keys of the crashed round
+    are still there: a new rank could read a dead rank's address and fail with "Connection refused" in
+    gloo's connectFullMesh. A prefix per attempt keeps each round's keys apart. None: torch's default.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"relaytune/attempt-{attempt}", shared)
 
 
 def die_with_parent() -> None:
