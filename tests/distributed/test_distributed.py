@@ -153,6 +153,13 @@ def test_a_checkpoint_resumes_on_another_process_count(tmp_path, tiny_model, dat
     assert sorted(later) == list(range(resumed_from, 12)), "the resume continues at the checkpoint's step"
     assert later == {s: v for s, v in expected_rows().items() if s >= resumed_from}
     assert len(list(tmp_path.glob("rows.rank*.jsonl"))) == second
+    starts = [json.loads(x) for x in (tmp_path / "run/sessions.jsonl").read_text().splitlines()
+              if json.loads(x)["event"] == "start"]
+    assert [s["world_size"] for s in starts] == [first, second]
+    status = fork_cli.run("status", str(tmp_path / "run"))
+    assert status.returncode == 0, status.stderr[-2000:]
+    table = status.stdout[status.stdout.index("sessions:"):].splitlines()
+    assert table[1].split()[-1] == "processes" and [ln.split()[-1] for ln in table[2:4]] == [str(first), str(second)]
     worst = assert_close(tmp_path / "run", one_process)
     print(f"{first} -> {second} processes from step {resumed_from}: max abs difference {worst:.3g}")
 

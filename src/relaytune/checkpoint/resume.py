@@ -17,7 +17,7 @@ from pathlib import Path
 
 from relaytune.atomic import MANIFEST, read_manifest, verify
 from relaytune.checkpoint.store import CheckpointStore, verify_checkpoint
-from relaytune.config import HARMLESS_KEYS, TrainConfig, saved_config_view
+from relaytune.config import TrainConfig, saved_config_view
 from relaytune.errors import UserError
 from relaytune.log import info, notice, warn
 from relaytune.redact import redact_url
@@ -26,6 +26,22 @@ from relaytune.run_dir import STEP_DIR, TRAINER_STATE, RunDir
 KAGGLE_INPUT = Path("/kaggle/input")  # where Kaggle mounts a notebook's inputs, read-only
 SEARCH_DEPTH = 4  # /kaggle/input/<notebook>/<output folder>/<run>: a few levels are enough
 SCHEDULE_KEYS = ("max_steps", "num_train_epochs")  # what `train longer` changes
+
+
+# Keys whose change between sessions leaves the continuation exact (or is checked by itself).
+HARMLESS_KEYS = {
+    "logging_steps", "eval_steps", "save_steps", "save_every_seconds", "save_total_limit",
+    "save_only_model", "resume_from_checkpoint", "time_limit", "deadline", "mirror_to", "output_dir",
+    "max_bad_steps", "on_repeated_nan", "report_to", "run_name", "load_best_model_at_end",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "eval_dataset",
+    "global_batch_size",  # checked by itself, with the global batch, in check_compatible
+    "dataset_cache", "max_bad_fraction",  # the data fingerprint still guards the rows themselves
+    # Same maths, other kernels: equal within rounding, never bit for bit on a GPU anyway; on the
+    # CPU both default to off, so a run that never sets them stays byte-identical across resumes.
+    "torch_compile", "attention",
+    # The global batch does not depend on the process count; a crash-restart budget is not maths.
+    "num_gpus", "max_restarts",
+}
 
 
 def kaggle_input_root() -> Path:

@@ -63,6 +63,7 @@ class SessionInfo:
     recomputed: int | None = None  # steps it redid that the previous session had already computed
     pid: int | None = None
     total: int | None = None  # the run's total steps as this session counted them
+    processes: int | None = None  # ranks that trained in this session (GPUs, or CPU processes); None: not recorded
 
 
 @dataclass
@@ -143,7 +144,7 @@ def read_sessions(out: Path, progress: dict | None = None) -> list[SessionInfo]:
             continue
         if r.get("event") == "start":
             found[n] = SessionInfo(n, r.get("time"), None, "killed", r.get("from_step", 0), None,
-                                pid=r.get("pid"), total=r.get("total_steps"))
+                                pid=r.get("pid"), total=r.get("total_steps"), processes=r.get("world_size"))
         elif r.get("event") == "end" and n in found:
             s = found[n]
             s.ended, s.how, s.reached = r.get("time"), r.get("how", "?"), r.get("at_step")
@@ -347,12 +348,13 @@ def format_status(st: RunStatus) -> str:
                      f"{_size(c.size):>9} {_duration(c.age_s):>8} {loss:>9}  {ok}")
     if not st.checkpoints:
         lines.append("  none committed yet")
-    lines += ["", "sessions:", f"  {'#':>3}  {'started':<19}  {'ended':<19}  {'how':<16} {'steps':<13} recomputed"]
+    lines += ["", "sessions:", f"  {'#':>3}  {'started':<19}  {'ended':<19}  {'how':<16} {'steps':<13} "
+              f"{'recomputed':<10}  processes"]
     for s in st.sessions:
         reach = f"{s.from_step}->{s.reached if s.reached is not None else '?'}"
         redo = "-" if s.session == st.sessions[0].session else (str(s.recomputed) if s.recomputed is not None else "?")
         lines.append(f"  {s.session:>3}  {_clock(s.started):<19}  {_clock(s.ended):<19}  "
-                     f"{s.how:<16} {reach:<13} {redo}")
+                     f"{s.how:<16} {reach:<13} {redo:<10}  {s.processes if s.processes else '?'}")
     if st.mirror:
         m = st.mirror
         lines += ["", f"mirror   {m.get('url')}: last mirrored step {m.get('last_mirrored_step')}, "

@@ -110,3 +110,27 @@ def check_mirror_url(value: str | None) -> str | None:
     raise ValueError(
         f"the URL holds credentials ({'; '.join(found)}), which would be saved in every checkpoint "
         f"and printed. Remove them from the URL and give them through {where}")
+
+
+def parse_duration(text: str) -> float:
+    """'11h30m', '90m', '45s', '2h', or plain seconds -> seconds."""
+    import re
+
+    s = str(text).strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", s):
+        return float(s)
+    parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", s)
+    if not s or not parts or not any(parts.groups()):
+        raise ValueError(f"{text!r} is not a duration; write e.g. 11h30m, 90m, 45s")
+    d, h, m, sec = (int(g or 0) for g in parts.groups())
+    return float(((d * 24 + h) * 60 + m) * 60 + sec)
+
+
+def parse_timestamp(text: str) -> float:
+    """ISO 8601 time -> Unix seconds; a time without a zone is local time."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(str(text).strip().replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO 8601 time; write e.g. 2026-12-01T06:00:00Z") from None

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
-from relaytune.config.checks import RANGES, check_mirror_url, check_range, iso_text
+from relaytune.config.checks import RANGES, check_mirror_url, check_range, iso_text, parse_duration, parse_timestamp
 from relaytune.config.datasets import DatasetSource, Format, check_columns
 
 BUILTIN_MODEL = "builtin:SmolLM2-135M-Instruct"
@@ -428,43 +428,3 @@ class TrainConfig(BaseModel):
                        f"{self.max_steps}): the learning rate never reaches its peak {self.learning_rate:g}; "
                        "training goes on as configured, as Hugging Face's Trainer does")
         return odd
-
-
-def parse_duration(text: str) -> float:
-    """'11h30m', '90m', '45s', '2h', or plain seconds -> seconds."""
-    import re
-
-    s = str(text).strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", s):
-        return float(s)
-    parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", s)
-    if not s or not parts or not any(parts.groups()):
-        raise ValueError(f"{text!r} is not a duration; write e.g. 11h30m, 90m, 45s")
-    d, h, m, sec = (int(g or 0) for g in parts.groups())
-    return float(((d * 24 + h) * 60 + m) * 60 + sec)
-
-
-def parse_timestamp(text: str) -> float:
-    """ISO 8601 time -> Unix seconds; a time without a zone is local time."""
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(str(text).strip().replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise ValueError(f"{text!r} is not an ISO 8601 time; write e.g. 2026-12-01T06:00:00Z") from None
-
-
-# Keys whose change between sessions breaks exact continuation.
-HARMLESS_KEYS = {
-    "logging_steps", "eval_steps", "save_steps", "save_every_seconds", "save_total_limit",
-    "save_only_model", "resume_from_checkpoint", "time_limit", "deadline", "mirror_to", "output_dir",
-    "max_bad_steps", "on_repeated_nan", "report_to", "run_name", "load_best_model_at_end",
-    "per_device_train_batch_size", "gradient_accumulation_steps", "eval_dataset",
-    "global_batch_size",  # checked by itself with the global batch (checkpoint/resume.py)
-    "dataset_cache", "max_bad_fraction",  # the data fingerprint still guards the rows themselves
-    # Same maths, other kernels: equal within rounding, never bit for bit on a GPU anyway; on the
-    # CPU both default to off, so a run that never sets them stays byte-identical across resumes.
-    "torch_compile", "attention",
-    # The global batch does not depend on the process count; a crash-restart budget is not maths.
-    "num_gpus", "max_restarts",
-}

@@ -180,8 +180,9 @@ class SessionLog:
         except OSError:
             pass  # informational only; a full disk must not stop training
 
-    def start(self, from_step: int, total_steps: int) -> None:
-        self._append({"event": "start", "pid": os.getpid(), "from_step": from_step, "total_steps": total_steps})
+    def start(self, from_step: int, total_steps: int, world_size: int = 1) -> None:
+        self._append({"event": "start", "pid": os.getpid(), "from_step": from_step, "total_steps": total_steps,
+                      "world_size": world_size})
 
     def end(self, how: str, at_step: int) -> None:
         self._append({"event": "end", "how": how, "at_step": at_step})

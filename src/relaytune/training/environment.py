@@ -12,7 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from relaytune.config.schema import TrainConfig, parse_duration, parse_timestamp
+from relaytune.config.checks import parse_duration, parse_timestamp
+from relaytune.config.schema import TrainConfig
 from relaytune.log import warn
 from relaytune.platforms import COLAB_DRIVE, KAGGLE_PERSISTENT, platform
 from relaytune.training.stops import Deadline

@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 from relaytune import faults
 from relaytune.checkpoint import Checkpointer, Live, TrainState
 from relaytune.checkpoint.load import Damaged, Loaded
-from relaytune.checkpoint.resume import check_compatible
 from relaytune.checkpoint.state import capture_rng, nonfinite, progress_of, recovery_of, reset_rng
 from relaytune.config import TrainConfig
 from relaytune.data import prepare_data
@@ -28,12 +27,12 @@ from relaytune.data.batches import DataOrder, total_steps
 from relaytune.data.packing import check_isolation
 from relaytune.distributed import agree, world
 from relaytune.errors import StoppedEarly, UserError
-from relaytune.log import info, notice, warn
+from relaytune.log import info, warn
 from relaytune.model import choose_precision, enable_checkpointing, load_model, load_tokenizer, resolve_source
 from relaytune.observe.metrics import MetricsLog, SessionLog
 from relaytune.observe.trackers import open_trackers
 from relaytune.run_dir import RunDir
-from relaytune.training import autobatch, rollback, stopping
+from relaytune.training import autobatch, continuation, rollback, stopping
 from relaytune.training.environment import time_budget, warn_storage
 from relaytune.training.evaluation import eval_loss
 from relaytune.training.optim import build_optimizer, build_scheduler, warmup_steps
@@ -71,6 +70,7 @@ class Trainer:
         self.bar = None
         self.trackers = None
         self.stop: StopRequest | None = None  # set by the recipe: the signal flag, held for the whole run
+        self.scaler_skips = 0  # fp16: updates the gradient scaler skipped this session (logged, not bad steps)
         self.rollbacks: list[tuple[int, int]] = []  # (step rolled back to, step that failed), this session
         self.world = world.current()  # rank and world size; one process: every helper is a no-op
 
@@ -96,7 +96,7 @@ class Trainer:
         self.order = DataOrder(len(self.data.train), cfg.global_batch_size, cfg.seed)
         self.total = total_steps(len(self.data.train), cfg.global_batch_size, cfg.num_train_epochs, cfg.max_steps)
         self._check_schedule()
-        loaded = self._load_agreed(start_from)
+        loaded = continuation.load_agreed(self.world, self.checkpointer, start_from, self._check_resumable)
         # `auto` micro-batch / checkpointing planned for this GPU (or kept from the checkpoint if made on it)
         self.auto = autobatch.choose(cfg, loaded.state if loaded else None,
                                      source.path if not source.gguf_file else None)
@@ -111,36 +111,8 @@ class Trainer:
             warn(f"warmup ({warmup} steps) is not shorter than the run ({self.total} steps): the learning "
                  "rate never reaches its peak; training goes on as configured, as Hugging Face's Trainer does")
 
-    def _load_resumable(self, path: Path | None) -> Loaded | None:
-        """The checkpoint to continue from, read and parsed (a damaged one is set aside and the one
-        before it taken), and checked against the config: a changed config is the user's call (exit 2)."""
-        loaded = self.checkpointer.load(path)
-        if loaded is not None:
-            self._check_resumable(loaded.state)
-        return loaded
-
-    def _load_agreed(self, path: Path | None) -> Loaded | None:
-        """_load_resumable on rank 0 (which may set a damaged checkpoint aside); the other ranks
-        then read the very checkpoint it took, so every rank continues from the same step."""
-        if not self.world.distributed:
-            return self._load_resumable(path)
-        mine = self._load_resumable(path) if self.world.is_main else None
-        chosen = self.world.share_object(str(mine.path) if mine is not None else None)
-        if self.world.is_main or chosen is None:
-            return mine
-        from relaytune.checkpoint.load import load
-
-        loaded = load(Path(chosen))
-        self._check_resumable(loaded.state)
-        return loaded
-
     def _check_resumable(self, saved: dict) -> None:
-        check_compatible(saved["config"], self.cfg, self.data.fingerprint, saved["data_fingerprint"])
-        threads = saved.get("torch_threads")
-        if self.precision.device.type == "cpu" and threads not in (None, torch.get_num_threads()):
-            notice(f"the checkpoint was written with {threads} CPU threads, this session has "
-                   f"{torch.get_num_threads()}: the run continues correctly, but not bit for bit "
-                   "(set OMP_NUM_THREADS to match for an exact continuation)")
+        continuation.check_resumable(saved, self.cfg, self.data.fingerprint, self.precision.device)
 
     def _build(self, source, report: Report) -> None:
         """The model with its adapter, the optimizer, schedule and scaler; then the disk check."""
@@ -165,7 +137,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()  # loading (bf16 shards before quantizing) is not training
         per_checkpoint = predicted_checkpoint_bytes(model, cfg)
         check_disk(report, self.run.root, per_checkpoint, cfg, per_checkpoint // 3)
-        report.print()
+        if self.world.is_main:  # every rank checked its own GPU and disk; one table is enough
+            report.print()
 
     def _start(self, loaded: Loaded | None) -> None:
         """Restore the checkpoint (or take the state to roll back to), open the logs.
@@ -183,16 +156,18 @@ class Trainer:
                 self._restore(loaded)
                 break
             except Damaged as e:
-                loaded = self._load_resumable(self.checkpointer.give_up_on(loaded.path, str(e)))
+                older = self.checkpointer.give_up_on(loaded.path, str(e))
+                loaded = continuation.load_resumable(self.checkpointer, older, self._check_resumable)
         start_from = loaded.path if loaded else None
         if loaded:
             self.metrics.reset_to(loaded.metrics)
-            self._follow_micro_batch_setting(loaded.state["config"]["per_device_train_batch_size"],
-                                             loaded.state.get("auto_choice"))
+            continuation.follow_micro_batch_setting(self.recovery, self.auto, self.cfg.global_batch_size,
+                                                    loaded.state["config"]["per_device_train_batch_size"],
+                                                    loaded.state.get("auto_choice"))
         else:
             self.metrics.reset_to("")
         self.sessions = SessionLog(self.run.sessions) if main else world.Silent()
-        self.sessions.start(from_step=self.state.step, total_steps=self.total)
+        self.sessions.start(from_step=self.state.step, total_steps=self.total, world_size=self.world.size)
         self.trackers = open_trackers(cfg, self.run.root, self.state.step, self.sessions.session) if main \
             else world.Silent()
         self.world.broadcast_params([p for p in self.live.model.parameters() if p.requires_grad])
@@ -202,17 +177,6 @@ class Trainer:
              f"{str(self.precision.dtype)[6:]}")
         # The rollback point for repeated NaNs when no checkpoint exists yet.
         self.initial_state = self.snapshot() if not start_from else None
-
-    def _follow_micro_batch_setting(self, saved_micro_batch: int | str, saved_auto: dict | None = None) -> None:
-        """Keep a micro-batch that an OOM forced down; otherwise follow the (harmless) new setting.
-        A fresh `auto` choice (a new GPU, or auto newly set) holds as chosen; one kept from the checkpoint
-        counts as the saved setting."""
-        r, configured, auto = self.recovery, self.auto.micro_batch, self.auto
-        if saved_micro_batch == "auto":
-            saved_micro_batch = (saved_auto or {}).get("micro_batch_size", r.micro_batch_size)
-        was_forced = r.micro_batch_size < saved_micro_batch and not (auto.auto_micro and not auto.from_checkpoint)
-        r.micro_batch_size = min(r.micro_batch_size, configured) if was_forced else configured
-        r.accumulation = math.ceil(self.cfg.global_batch_size / r.micro_batch_size)
 
     def _restore(self, loaded: Loaded) -> None:
         saved = self.checkpointer.restore(loaded, self.live)
@@ -331,7 +295,7 @@ class Trainer:
             self.window.window_loss += result.loss
         if self.live.scaler is not None and math.isfinite(result.loss) and not math.isfinite(result.grad_norm):
             # fp16: the scaler skipped this update and halved its scale (routine, not a bad step): logged, counted
-            self.scaler_skips = getattr(self, "scaler_skips", 0) + 1
+            self.scaler_skips += 1
             self.metrics.write({"step": self.state.step, "event": "scaler_skip", "scale": self.live.scaler.get_scale()})
         self.window.window_steps += 1
         if self.state.step % self.cfg.logging_steps == 0 or self.state.step == self.total:
