@@ -94,6 +94,17 @@ def test_refuses_when_the_frozen_weights_alone_exceed_free_memory(fake_gpu):
         check_gpu(Report(), choice.frozen_bytes)
 
 
+def test_with_two_ranks_a_full_second_gpu_is_refused_too(fake_gpu, monkeypatch):
+    fake_gpu(free=40 * GIB, total=80 * GIB, name="A100")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (40 * GIB, 80 * GIB) if i == 0 else (2 * GIB, 80 * GIB))
+    frozen = 15 * GIB
+    check_gpu(Report(), frozen)  # one process trains on GPU 0 only: GPU 1 is not its concern
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UserError, match=r"^GPU 1 has 2.0 GiB free; the model's weights alone need about 15.0 GiB"):
+        check_gpu(Report(), frozen)
+
+
 def test_checkpointing_auto_with_a_fixed_micro_batch_turns_it_off_when_it_fits(fake_gpu):
     fake_gpu(free=130 * GIB)
     c = cfg(per_device_train_batch_size=2, gradient_accumulation_steps=1, max_seq_length=1024,

@@ -6,6 +6,7 @@ fails again: we look first and say so plainly.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +34,13 @@ class Report:
 
 def check_gpu(report: Report, frozen_bytes: int | None, env_free: tuple[int, int] | None = None) -> None:
     """Free and total memory per GPU; name who holds it if far below total; refuse when the model's
-    frozen weights alone (the memory planner's part, training/autobatch.py) exceed GPU 0's free memory."""
+    frozen weights alone (the memory planner's part, training/autobatch.py) exceed the free memory of
+    a GPU this run trains on: GPU 0, or with several ranks on this host, GPUs 0..LOCAL_WORLD_SIZE-1.
+    Every rank checks all of them, so all ranks refuse together (exit 2) rather than one alone."""
     if not torch.cuda.is_available():
         report.add("GPU", "none (training on CPU)")
         return
+    used = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # the local rank picks the GPU (distributed/world.py)
     for i in range(torch.cuda.device_count()):
         free, total = env_free or torch.cuda.mem_get_info(i)
         mine = torch.cuda.memory_reserved(i)
@@ -48,7 +52,7 @@ def check_gpu(report: Report, frozen_bytes: int | None, env_free: tuple[int, int
         if others > 0.25 * total:
             warn(f"another process holds {others / GIB:.1f} GiB on GPU {i}; if it is a dead run, "
                  "stop it (nvidia-smi lists it); in a notebook, restart the kernel")
-        if frozen_bytes and i == 0 and frozen_bytes > free:
+        if frozen_bytes and i < used and frozen_bytes > free:
             raise UserError(
                 f"GPU {i} has {free / GIB:.1f} GiB free; the model's weights alone need about "
                 f"{frozen_bytes / GIB:.1f} GiB. Free the GPU (see above), or use load_in_4bit: true")
