@@ -120,3 +120,32 @@ def test_isolation_check_passes_for_training_models_and_catches_a_leak(tiny_mode
     assert model.training  # the check leaves the mode as it found it
     model.config.use_cache = True  # transformers then ignores packed position_ids
     assert "packed samples see each other" in check_isolation(model)
+
+
+class NoisyLogits(torch.nn.Module):
+    """A model whose logits carry 5% relative noise on every call, as a deep bf16/4-bit model's do."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, **kw):
+        out = self.inner(**kw)
+        noise = torch.randn(out.logits.shape, generator=self.gen) * 0.05 * out.logits.abs().mean()
+        out.logits = out.logits + noise
+        return out
+
+
+def test_isolation_check_tells_rounding_noise_from_a_leak(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from relaytune.data.packing import check_isolation
+
+    inner = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
+    inner.config.use_cache = False
+    noisy = NoisyLogits(inner)
+    assert check_isolation(noisy) is None  # ~7% apart, but a deliberate leak moves them ~70%
+    inner.config.use_cache = True
+    why = check_isolation(noisy)
+    assert why is not None and "when it follows the other sample on purpose" in why

@@ -77,6 +77,12 @@ def position_ids(segments: tuple[int, ...], width: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+# Packed samples are isolated when their logits differ from the lone sample's by under 2% (fp32 and
+# bf16 on small models stay far below), or by under a fifth of what a deliberate leak changes.
+ISOLATED_ERROR = 0.02
+ISOLATED_SHARE_OF_LEAK = 0.2
+
+
 def check_isolation(model) -> str | None:
     """None if this model keeps packed samples apart; otherwise why not, in words.
 
@@ -84,6 +90,11 @@ def check_isolation(model) -> str | None:
     one alone; its logits must agree. A model whose attention ignores packed position_ids
     (custom modelling code, a KV cache left on, flash attention on a padded batch) fails
     here in a few milliseconds instead of silently training on leaked context.
+
+    "Agree" is judged against a leak made on purpose: the same two samples as one ordinary
+    sequence, so the second sees the first. Low precision through many layers (bf16, 4-bit
+    weights) makes the packed and the lone pass differ by a few percent, since their kernels
+    sum in another order; a leak moves the logits by about as much as the deliberate one.
     """
     import torch
 
@@ -94,19 +105,22 @@ def check_isolation(model) -> str | None:
     pos = torch.cat([torch.arange(12), torch.arange(9)])[None]
     device = next(model.parameters()).device
     was_training = model.training
-    model.eval()  # no dropout, so the two passes are comparable
+    model.eval()  # no dropout, so the passes are comparable
     try:
         with torch.no_grad():
             packed = model(input_ids=ids.to(device), position_ids=pos.to(device)).logits[0, 12:].float()
             alone = model(input_ids=b.to(device)).logits[0].float()
+            leaked = model(input_ids=ids.to(device)).logits[0, 12:].float()
     finally:
         model.train(was_training)
-    error = float((packed - alone).abs().mean() / alone.abs().mean().clamp_min(1e-6))
-    if error < 0.02:  # bf16 rounding stays far below; leaked context is of order 1
+    scale = alone.abs().mean().clamp_min(1e-6)
+    error, leak = float((packed - alone).abs().mean() / scale), float((leaked - alone).abs().mean() / scale)
+    if error < ISOLATED_ERROR or error < ISOLATED_SHARE_OF_LEAK * leak:
         return None
+    impl, cache = getattr(model.config, "_attn_implementation", "?"), getattr(model.config, "use_cache", "?")
     return (f"packed samples see each other in this model (logits differ by {error:.1%} from the "
-            f"sample alone; attention: {getattr(model.config, '_attn_implementation', '?')}, "
-            f"use_cache: {getattr(model.config, 'use_cache', '?')})")
+            f"sample alone, against {leak:.1%} when it follows the other sample on purpose; attention: "
+            f"{impl}, use_cache: {cache})")
 
 
 def flat_layout(model) -> bool:
