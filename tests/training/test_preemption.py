@@ -112,10 +112,11 @@ def test_python_api_interrupt_raises_stopped_early_with_the_checkpoint(tmp_path,
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C or a notebook's interrupt sends
 
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN under a background shell job
     threading.Thread(target=interrupt_once_training, daemon=True).start()
     with pytest.raises(StoppedEarly) as info:
         relaytune.train(str(cfg))
     assert info.value.how == "signal" and info.value.checkpoint is not None
     assert verify(Path(info.value.checkpoint)) is None
     # The handlers are ours only while train() runs.
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
