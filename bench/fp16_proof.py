@@ -32,6 +32,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 from gpu_bench import WORK, build_model, pattern_data  # noqa: E402
 
+from relaytune.observe.metrics import parse_records  # noqa: E402
+
 OUT = WORK / "fp16"
 # Two curves agree at a step when |a - b| <= rel x |b| + abs. The absolute floor matters once the pattern
 # is learned: at a loss of 2e-4 a difference of 1e-4 is rounding, not divergence.
@@ -93,15 +95,7 @@ def session(cfg: dict, args, stop_at: int | None = None) -> int:
 
 
 def records(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    out = []
-    for line in metrics.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
+    return parse_records(metrics.read_text()) if metrics.exists() else []  # a torn last line is being written
 
 
 def curve(run: Path) -> dict[int, float]:

@@ -23,20 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from relaytune.observe.metrics import parse_records  # noqa: E402
 from relaytune.tiny import make_tiny_model  # noqa: E402
 
 
 def records(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return parse_records(path.read_text()) if path.exists() else []  # a torn last line is being written
 
 
 def session(cfg: Path, run: Path, kill_after: float | None) -> dict:

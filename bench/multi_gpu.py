@@ -62,6 +62,8 @@ sys.path.insert(0, str(SRC))
 import gpu_bench  # noqa: E402
 from gpu_bench import WORK, build_model, long_text_data, pattern_data  # noqa: E402
 
+from relaytune.observe.metrics import parse_records  # noqa: E402
+
 gpu_bench.ARCHS.setdefault("qwen2.5-0.5b", dict(
     model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
@@ -202,15 +204,7 @@ def session(args, cfg: dict, overrides: dict | None = None, *, stop_at: int | No
 # --- reading a run ------------------------------------------------------------------------------
 
 def records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
+    return parse_records(path.read_text()) if path.exists() else []  # a torn last line is being written
 
 
 def steps_of(metrics: Path) -> list[dict]:
