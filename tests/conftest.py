@@ -14,6 +14,9 @@ from support.run_helpers import chat_rows, make_config, run_cli, run_until_done,
 
 from relaytune.tiny import make_tiny_model
 
+# The multi-process tests' fixtures (tests/distributed): the uninterrupted runs they compare against.
+pytest_plugins = ["support.ranks"]
+
 REPO = Path(__file__).resolve().parents[1]
 
 __all__ = ["REPO", "ONE_THREAD_ENV", "ForkServer", "ForkedRun", "chat_rows", "make_config", "run_cli",

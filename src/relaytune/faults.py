@@ -71,6 +71,8 @@ def parse(env) -> Plan:
     plan.oom = {(int(s[0]), int(s[1])) for s in _items(env, "RELAYTUNE_OOM_AT")}
     if env.get("RELAYTUNE_OOM_RANK", "").strip() and env.get("RANK", "0") != env["RELAYTUNE_OOM_RANK"].strip():
         plan.oom = set()  # another rank's fault
+    if int(env.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
+        plan.oom = set()  # injected in the first round; a real OOM does not recur at half the micro-batch
     plan.nan = {int(s[0]) for s in _items(env, "RELAYTUNE_NAN_AT")}
     plan.slow_step = float(env.get("RELAYTUNE_SLOW_STEP") or 0.0)
     return plan

@@ -136,8 +136,11 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
-def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None = None):
-    """The base model with a fresh LoRA adapter on it, ready for training."""
+def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None = None, to_shard: bool = False):
+    """The base model with a fresh LoRA adapter on it, ready for training.
+
+    `to_shard`: FSDP will shard it (distributed/fsdp.py), so an unquantized base stays on the CPU
+    and reaches the GPU shard by shard; a 4-bit base is quantized on the GPU as it loads."""
     import_bitsandbytes()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -149,7 +152,7 @@ def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None =
         kwargs["quantization_config"] = _bnb_config(cfg, precision)
         kwargs["device_map"] = {"": precision.device.index if precision.device.type == "cuda" else "cpu"}
     model = load_pretrained(AutoModelForCausalLM, src, cfg, **kwargs)
-    if not quantized:
+    if not quantized and not to_shard:
         model.to(precision.device)
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     # No prepare_model_for_kbit_training: it upcasts every non-quantized weight to fp32, which
@@ -192,9 +195,11 @@ def _bnb_config(cfg: TrainConfig, precision: Precision):
         return BitsAndBytesConfig(load_in_8bit=True)
     compute = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                "auto": precision.autocast or torch.float32}[cfg.bnb_4bit_compute_dtype]
+    storage = "uint8" if cfg.bnb_4bit_quant_storage == "auto" else cfg.bnb_4bit_quant_storage
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=getattr(torch, storage),
     )
 
 

@@ -117,6 +117,11 @@ class RunDir:
     def lock(self) -> Path:
         return self.root / ".relaytune.lock"
 
+    @property
+    def oom_request(self) -> Path:
+        """Under FSDP: the micro-batch that an out-of-memory error asked the restarted workers to take."""
+        return self.root / "oom_request.json"
+
     def is_finished(self) -> bool:
         return verify(self.final) is None
 

@@ -3,16 +3,7 @@ batches on any process count, one checkpoint format for any count, guards agreed
 
 Runs go through the CLI in forked children of the pre-imported fork server (`fork_cli`); the
 child is the launcher, which forks its workers through torch's elastic agent (fork start
-method on the CPU), so a 2-process run costs a few seconds.
-
-Tolerance between process counts. With a share per rank that is a multiple of the micro-batch
-(the default settings here: global batch 8 = 2 ranks x 4 rows, micro-batch 4) each rank's
-micro-batch holds exactly the rows one process would put in it, and the sum of two per-rank
-gradients is the same single addition one process does while accumulating: the final adapters
-are byte-identical. When the split regroups rows (3 rows per rank cut 2 + 1 against one
-process's 2 + 2 + 2), padding widths and the order of float summation change: same rows, same
-maths, different rounding. Adam then carries those 1e-7-relative differences over the steps, so
-the comparison allows RTOL/ATOL below (measured differences are about 1e-6 absolute).
+method on the CPU), so a 2-process run costs a few seconds. Why the tolerances: support/ranks.py.
 """
 
 from __future__ import annotations
@@ -27,84 +18,22 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import ONE_THREAD_ENV, REPO, chat_rows, make_config, run_until_done, step_records, write_jsonl
-from safetensors.torch import load_file
+from conftest import ONE_THREAD_ENV, REPO, run_until_done, step_records
+from support.ranks import (
+    ADAPTER,
+    alive,
+    assert_close,
+    children,
+    config,
+    expected_rows,
+    free_port,
+    rows_by_step,
+    run_ok,
+    wait_for_step,
+    wait_gone,
+)
 
 from relaytune.checkpoint import verify
-from relaytune.data.batches import DataOrder
-
-RTOL, ATOL = 1e-4, 1e-5
-ADAPTER = "final/adapter_model.safetensors"
-# 12 steps of 8 rows over 40 rows; a checkpoint every 2 steps.
-BASE = dict(max_steps=12, save_steps=2, logging_steps=1, save_every_seconds=0, lora_r=8)
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("ddpdata") / "data.jsonl", chat_rows(40))
-
-
-def config(tmp: Path, tiny_model, data_file, **kw) -> Path:
-    return make_config(tmp, tiny_model, data_file, **{**BASE, **kw})
-
-
-def adapter(run_root: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_root / ADAPTER)
-
-
-def assert_close(a: Path, b: Path) -> float:
-    x, y = adapter(a), adapter(b)
-    assert x.keys() == y.keys()
-    worst = 0.0
-    for k in x:
-        torch.testing.assert_close(x[k], y[k], rtol=RTOL, atol=ATOL)
-        worst = max(worst, (x[k] - y[k]).abs().max().item())
-    return worst
-
-
-def rows_by_step(prefix: Path) -> dict[int, list[int]]:
-    """The global batch of each step, as the ranks recorded their shares (rank order; a step
-    recorded twice, e.g. redone after an OOM or a restart, keeps its last record)."""
-    shares: dict[int, dict[int, list[int]]] = {}
-    for f in sorted(prefix.parent.glob(prefix.name + ".rank*.jsonl")):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            shares.setdefault(r["step"], {})[r["rank"]] = r["rows"]
-    return {s: [i for rank in sorted(d) for i in d[rank]] for s, d in shares.items()}
-
-
-def expected_rows(steps: int = 12) -> dict[int, list[int]]:
-    order = DataOrder(40, 8, 42)
-    return {s: order.batch_rows(s) for s in range(steps)}
-
-
-def run_ok(cli, cfg: Path, *extra: str, env: dict | None = None):
-    r = cli.run("train", str(cfg), *extra, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return r
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, tiny_model, data_file, fork_cli) -> Path:
-    """An uninterrupted 1-process run without dropout (the maths to match across counts)."""
-    tmp = tmp_path_factory.mktemp("one")
-    rows = tmp / "rows"
-    run_ok(fork_cli, config(tmp, tiny_model, data_file, lora_dropout=0.0), env={"RELAYTUNE_RECORD_ROWS": str(rows)})
-    assert rows_by_step(rows) == expected_rows()
-    return tmp / "run"
-
-
-@pytest.fixture(scope="module")
-def two_process(tmp_path_factory, tiny_model, data_file, fork_cli) -> tuple[Path, Path]:
-    """An uninterrupted 2-process run with dropout 0.1 (the per-rank RNG streams matter):
-    (run folder, config) for the fault tests that must end byte-identical to it."""
-    tmp = tmp_path_factory.mktemp("two")
-    cfg = config(tmp, tiny_model, data_file, num_gpus=2, lora_dropout=0.1)
-    run_ok(fork_cli, cfg)
-    records = step_records(tmp / "run/metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 13)), "only rank 0 writes metrics.jsonl, once a step"
-    return tmp / "run", cfg
 
 
 def test_two_processes_train_the_same_maths_as_one(tmp_path, tiny_model, data_file, fork_cli, one_process):
@@ -247,13 +176,6 @@ def test_workers_killed_ten_times_then_rerun_is_exact(tmp_path, tiny_model, data
     print(f"10 worker kills over {commands} commands, {time.monotonic() - t0:.1f} s")
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def kill_launcher_and_resume(tmp_path, tiny_model, data_file, fork_cli, two_process, kills: int, seed: int):
     ref_run, _ = two_process
     cfg = config(tmp_path, tiny_model, data_file, num_gpus=2, lora_dropout=0.1)
@@ -301,7 +223,7 @@ def test_two_nodes_under_external_torchrun_match_one_node(tmp_path, tiny_model, 
     shared output_dir: relaytune joins instead of launching; global rank 0 commits."""
     ref_run, _ = two_process
     cfg = config(tmp_path, tiny_model, data_file, lora_dropout=0.1)  # num_gpus auto: torchrun decides
-    port = _free_port()
+    port = free_port()
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, **ONE_THREAD_ENV, "PYTHONUNBUFFERED": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("RELAYTUNE_")}
@@ -316,49 +238,3 @@ def test_two_nodes_under_external_torchrun_match_one_node(tmp_path, tiny_model, 
     outs = [p.communicate(timeout=300)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert (tmp_path / "run" / ADAPTER).read_bytes() == (ref_run / ADAPTER).read_bytes()
-
-
-# --- helpers ---------------------------------------------------------------------------------
-
-def wait_for_step(run: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if any(r["step"] >= step for r in step_records(run / "metrics.jsonl")):
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"no step {step} in {timeout} s")
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def wait_gone(pids: list[int], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            try:  # a zombie of the (dead) launcher's: reaped by init soon
-                if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                    break
-            except OSError:
-                break
-            time.sleep(0.02)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

@@ -41,6 +41,9 @@ HARMLESS_KEYS = {
     "torch_compile", "attention",
     # The global batch does not depend on the process count; a crash-restart budget is not maths.
     "num_gpus", "max_restarts",
+    # Sharding changes where the frozen weights live, not the LoRA maths or the checkpoint's files;
+    # the 4-bit storage dtype changes how the same packed values are held.
+    "fsdp", "bnb_4bit_quant_storage",
 }
 
 

@@ -163,6 +163,9 @@ class TrainConfig(BaseModel):
     """Quantize the 4-bit quantization constants too (saves about 0.4 bit per weight)."""
     bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Compute dtype for 4-bit layers; auto follows the mixed-precision choice."""
+    bnb_4bit_quant_storage: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = "auto"
+    """The dtype that holds the packed 4-bit values (the values are the same): auto = uint8, or
+    under FSDP the model's parameter dtype, which FSDP needs to shard them (uint8 is refused there)."""
     torch_compile: bool | Literal["auto"] = "auto"
     """Compile each decoder layer with torch.compile (regional compilation; gradient checkpointing
     kept). auto: on for CUDA GPUs of compute capability 7.0+ with torch 2.6+, off on the CPU (so CPU
@@ -238,9 +241,13 @@ class TrainConfig(BaseModel):
     """With several GPUs: how many times a crashed worker (killed by the kernel, an unexpected
     error) brings every worker back from the last committed checkpoint within the same command."""
     fsdp: Literal["auto"] | bool = "auto"
-    """Shard the model over the GPUs with FSDP2: auto (= false: DDP-style replication, LoRA
-    gradients summed across GPUs) or true (not available yet: refused). 4-bit bases under FSDP2
-    will need a float bnb_4bit_quant_storage equal to the parameter dtype."""
+    """Shard the frozen base weights over the GPUs with FSDP2 (fully_shard per decoder layer):
+    true, false (every GPU holds the whole base; LoRA gradients are summed across GPUs), or auto
+    (shard when the base's weights would fill more than 80% of a GPU). The LoRA weights, the
+    optimizer and the checkpoint are the same either way, so a run may change this between
+    sessions. Under FSDP an out-of-memory error restarts the workers from the last checkpoint with
+    half the micro-batch. 4-bit bases are sharded with a float bnb_4bit_quant_storage; 8-bit
+    bases cannot be."""
 
     # --- looking inside a run: trackers and the best checkpoint --------------------
     report_to: str | list[str] = "none"
@@ -361,21 +368,18 @@ class TrainConfig(BaseModel):
             raise ValueError("must be 0 or more")
         return v
 
-    @field_validator("fsdp")
-    @classmethod
-    def _no_fsdp_yet(cls, v):
-        if v is True:
-            raise ValueError("FSDP2 sharding is not available yet in relaytune; use fsdp: auto (each GPU "
-                             "holds the whole model and LoRA gradients are summed across GPUs), with "
-                             "load_in_4bit if the base does not fit one GPU")
-        return v
-
     @model_validator(mode="after")
     def _cross_field(self) -> TrainConfig:
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both true; choose one (or leave both unset for auto)")
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_4bit and load_in_8bit are both true; choose one")
+        if self.fsdp is True and self.load_in_8bit:
+            raise ValueError("fsdp: true cannot shard an 8-bit base (load_in_8bit); use load_in_4bit, "
+                             "or fsdp: false to replicate it on every GPU")
+        if self.fsdp is True and self.load_in_4bit and self.bnb_4bit_quant_storage == "uint8":
+            raise ValueError("fsdp: true needs a float bnb_4bit_quant_storage (uint8 is turned into plain "
+                             "tensors by FSDP and trains silently to loss 0 or NaN); set it to auto")
         if self.eval_steps is not None and self.eval_steps < 1:
             raise ValueError("eval_steps must be at least 1 (or unset)")
         if not self.save_every_seconds >= 0:

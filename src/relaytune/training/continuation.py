@@ -62,3 +62,46 @@ def follow_micro_batch_setting(recovery, auto, global_batch: int, saved_micro_ba
     configured = auto.micro_batch
     recovery.micro_batch_size = min(recovery.micro_batch_size, configured) if was_forced else configured
     recovery.accumulation = math.ceil(global_batch / recovery.micro_batch_size)
+
+
+def restart_after_oom(run, recovery, global_batch: int, step: int, error: BaseException):
+    """Under FSDP (distributed/fsdp.py): write down the halved micro-batch, or 0 when micro-batch 1
+    ran out too, and end this worker; the agent restarts every worker from the last checkpoint."""
+    import copy
+
+    from relaytune.distributed import fsdp
+    from relaytune.training.recovery import NoSmallerBatch, shrink_after_oom
+
+    try:
+        _, new = shrink_after_oom(copy.copy(recovery), global_batch, step, error)
+    except NoSmallerBatch:
+        new = 0
+    fsdp.oom_request(run.oom_request, step, new)
+    raise RuntimeError(f"out of memory at step {step + 1} with the base sharded (FSDP): the workers restart from "
+                       f"the last checkpoint with micro-batch {new or 'none smaller than 1'}") from error
+
+
+def follow_oom_request(run, recovery, cfg, resumed_step: int, world, last_checkpoint) -> tuple[int, int, int] | None:
+    """A micro-batch an OOM asked for under FSDP at or after the step this session resumes from:
+    (step, old, new) once applied; None: nothing to do. When even micro-batch 1 ran out, the run
+    stops with exit 75 as an unsharded one does (oom_advice), and the request is cleared so that
+    the next session tries again (on another GPU, perhaps)."""
+    from relaytune.distributed import fsdp
+    from relaytune.errors import StoppedEarly
+    from relaytune.training.recovery import oom_advice
+
+    request = fsdp.read_oom_request(run.oom_request)
+    if request is None or request["step"] < resumed_step:
+        return None
+    old, new = recovery.micro_batch_size, int(request["micro_batch_size"])
+    if new >= old:
+        return None
+    if new == 0:
+        if world.is_main:
+            run.oom_request.unlink(missing_ok=True)
+        last = last_checkpoint()
+        raise StoppedEarly(f"{oom_advice(cfg)}\nThe last committed checkpoint is {last.name if last else 'none'}",
+                           resumed_step, str(last) if last else None, how="oom")
+    recovery.micro_batch_size = new
+    recovery.accumulation = math.ceil(cfg.global_batch_size / new)
+    return request["step"], old, new

@@ -7,6 +7,7 @@ import math
 import torch
 
 from relaytune.config.schema import TrainConfig
+from relaytune.log import warn
 
 
 def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
@@ -35,3 +36,12 @@ def build_scheduler(cfg: TrainConfig, optimizer, total: int):
 
     return get_scheduler(cfg.lr_scheduler_type, optimizer,
                          num_warmup_steps=warmup_steps(cfg, total), num_training_steps=total)
+
+
+def warn_short_schedule(cfg, total: int) -> None:
+    """Hugging Face's Trainer accepts a warmup as long as the run too; with max_steps set, the config
+    already said so."""
+    warmup = warmup_steps(cfg, total)
+    if warmup >= total and cfg.max_steps <= 0:
+        warn(f"warmup ({warmup} steps) is not shorter than the run ({total} steps): the learning "
+             "rate never reaches its peak; training goes on as configured, as Hugging Face's Trainer does")

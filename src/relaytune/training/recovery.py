@@ -44,6 +44,15 @@ def free_memory(optimizer) -> None:
         torch.cuda.empty_cache()
 
 
+def release_gpu() -> None:
+    """Give a finished run's GPU memory back (a notebook trains again in the same process)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces allocated otherwise
+
+
 def shrink_after_oom(r: Recovery, global_batch: int, step: int, error: BaseException) -> tuple[int, int]:
     """Halve the micro-batch (the accumulation grows; the global batch is unchanged)."""
     if r.micro_batch_size <= 1:

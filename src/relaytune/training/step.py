@@ -21,7 +21,7 @@ import torch
 
 from relaytune import faults
 from relaytune.data.batches import count_targets, micro_batches
-from relaytune.distributed import agree
+from relaytune.distributed import agree, fsdp
 from relaytune.distributed.world import World, current
 from relaytune.model import Precision
 from relaytune.training.loss import causal_lm_loss, supports_chunked_loss
@@ -42,6 +42,7 @@ class StepParts:
     def __post_init__(self):
         self.chunked = supports_chunked_loss(self.model)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.sharded = self.world.distributed and fsdp.is_sharded(self.model)
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,21 @@ def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: in
     """Forward and backward over every micro-batch of one global batch, then one update."""
     n_targets = count_targets(rows)  # of the whole global batch, on every rank
     if parts.world.distributed:
-        return _distributed_step(parts, parts.world.share(rows), n_targets, micro_batch_size, step)
+        return _distributed_step(parts, rows, n_targets, micro_batch_size, step)
     return _update(parts, _forward_backward(parts, rows, n_targets, micro_batch_size, step))
 
 
 def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_size: int,
-                      step: int) -> torch.Tensor:
-    """Gradients of `rows`, micro-batch by micro-batch; returns their summed (normalised) loss."""
+                      step: int, passes: int = 0, filler: list | None = None) -> torch.Tensor:
+    """Gradients of `rows`, micro-batch by micro-batch; returns their summed (normalised) loss.
+
+    `passes`: under FSDP every rank must run as many forward/backward passes as the rank with the
+    longest share (each pass all-gathers the layers); the missing ones run `filler` rows with the
+    loss times zero, which gathers and adds nothing."""
     autocast = (torch.autocast(parts.precision.device.type, dtype=parts.precision.autocast)
                 if parts.precision.autocast else contextlib.nullcontext())
     total_loss = torch.zeros((), device=parts.precision.device)
+    done = 0
     for i, batch in enumerate(micro_batches(rows, micro_batch_size, parts.pad_id)):
         batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
         if faults.oom_now(step, i):
@@ -75,14 +81,25 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
             loss = loss * float("nan")
         (parts.scaler.scale(loss) if parts.scaler else loss).backward()
         total_loss += loss.detach().float()
+        done += 1
+    for _ in range(passes - done):
+        batch = {k: v.to(parts.precision.device) for k, v in next(micro_batches(filler, 1, parts.pad_id)).items()}
+        with autocast:
+            (causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked) * 0.0).backward()
     return total_loss
 
 
-def _distributed_step(parts: StepParts, mine: list, n_targets: int, micro_batch_size: int,
+def _distributed_step(parts: StepParts, rows: list, n_targets: int, micro_batch_size: int,
                       step: int) -> StepResult:
     """This rank's share, then agreement on OOM, then the ranks' gradients summed, then the
     same update on every rank (their gradients, hence weights and optimizer states, are equal)."""
     world = parts.world
+    mine = world.share(rows)
+    if parts.sharded:  # collectives inside forward: an OOM cannot be agreed on, it ends the round (fsdp.py)
+        longest = math.ceil(math.ceil(len(rows) / world.size) / micro_batch_size)
+        total_loss = _forward_backward(parts, mine, n_targets, micro_batch_size, step, longest, rows[:1])
+        world.sum_grads(parts.params)
+        return _update(parts, total_loss)
     total_loss = torch.zeros((), device=parts.precision.device)
     oom: torch.OutOfMemoryError | None = None
     try:

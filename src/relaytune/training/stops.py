@@ -155,3 +155,13 @@ class Deadline:
     def must_stop(self, step_seconds: float, save_seconds: float) -> bool:
         left = self.remaining()
         return left is not None and left < self.SAFETY * (step_seconds + save_seconds) + 1.0
+
+
+def safe_points(model) -> list:
+    """Where a step may be abandoned: before the forward of the model and of each of its layers (the
+    elements of its longest ModuleList), so a long step is left within one layer's time."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    layers = list(max(lists, key=len)) if lists else []
+    return [model, *layers]

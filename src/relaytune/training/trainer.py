@@ -2,16 +2,15 @@
 
 recipe.py reads top to bottom (setup, run, finish); the mechanics of each part are here.
 Saved progress is `TrainState`; what the run learned about itself (micro-batch in force,
-learning-rate scale, bad steps in a row) is `Recovery`; the logging window is `LogWindow`.
+learning-rate scale, bad steps in a row) is `Recovery`; the logging window is `LogWindow` (step_log.py).
 The data cursor is not stored: the global batch of step s is a pure function of (seed, s).
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from relaytune.config import TrainConfig
 from relaytune.data import prepare_data
 from relaytune.data.batches import DataOrder, total_steps
 from relaytune.data.packing import check_isolation
-from relaytune.distributed import agree, world
+from relaytune.distributed import agree, fsdp, world
 from relaytune.errors import StoppedEarly, UserError
 from relaytune.log import info, warn
 from relaytune.model import choose_precision, enable_checkpointing, load_model, load_tokenizer, resolve_source
@@ -35,25 +34,19 @@ from relaytune.run_dir import RunDir
 from relaytune.training import autobatch, continuation, rollback, stopping
 from relaytune.training.environment import time_budget, warn_storage
 from relaytune.training.evaluation import eval_loss
-from relaytune.training.optim import build_optimizer, build_scheduler, warmup_steps
+from relaytune.training.optim import build_optimizer, build_scheduler, warn_short_schedule
 from relaytune.training.preflight import Report, check_disk, check_gpu, memory_rows, predicted_checkpoint_bytes
 from relaytune.training.recovery import (
     NoSmallerBatch,
     Recovery,
     free_memory,
     is_bad_step,
+    release_gpu,
     shrink_after_oom,
 )
 from relaytune.training.step import StepParts, StepResult, optimizer_step
-from relaytune.training.stops import Abandoned, StopRequest
-
-
-@dataclass
-class LogWindow:
-    """The steps since the last metrics record; saved with a checkpoint so the next record is exact."""
-
-    window_loss: float = 0.0
-    window_steps: int = 0
+from relaytune.training.step_log import LogWindow, step_record
+from relaytune.training.stops import Abandoned, StopRequest, safe_points
 
 
 class Trainer:
@@ -95,21 +88,17 @@ class Trainer:
         start_from = self.world.decide(lambda: self.checkpointer.relay_pick(start_from, self.data.fingerprint))
         self.order = DataOrder(len(self.data.train), cfg.global_batch_size, cfg.seed)
         self.total = total_steps(len(self.data.train), cfg.global_batch_size, cfg.num_train_epochs, cfg.max_steps)
-        self._check_schedule()
+        warn_short_schedule(cfg, self.total)
         loaded = continuation.load_agreed(self.world, self.checkpointer, start_from, self._check_resumable)
         # `auto` micro-batch / checkpointing planned for this GPU (or kept from the checkpoint if made on it)
         self.auto = autobatch.choose(cfg, loaded.state if loaded else None,
                                      source.path if not source.gguf_file else None)
-        check_gpu(report, self.auto.frozen_bytes)
+        # FSDP (distributed/fsdp.py) when asked, or when the replicated base would not leave room
+        self.sharded = fsdp.sharded(cfg, self.world, self.auto.frozen_bytes)
+        frozen = self.auto.frozen_bytes and self.auto.frozen_bytes // (self.world.size if self.sharded else 1)
+        check_gpu(report, frozen)
         self._build(source, report)
         self._start(loaded)
-
-    def _check_schedule(self) -> None:
-        warmup = warmup_steps(self.cfg, self.total)
-        # Hugging Face's Trainer accepts this too; with max_steps set, the config already said so.
-        if warmup >= self.total and self.cfg.max_steps <= 0:
-            warn(f"warmup ({warmup} steps) is not shorter than the run ({self.total} steps): the learning "
-                 "rate never reaches its peak; training goes on as configured, as Hugging Face's Trainer does")
 
     def _check_resumable(self, saved: dict) -> None:
         continuation.check_resumable(saved, self.cfg, self.data.fingerprint, self.precision.device)
@@ -119,8 +108,13 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the LoRA initialisation; a resume overwrites it
         auto = self.auto
-        resolved = cfg.model_copy(update={"gradient_checkpointing": auto.gradient_checkpointing})
-        model = load_model(resolved, self.precision, source)
+        update: dict = {"gradient_checkpointing": auto.gradient_checkpointing}
+        if self.sharded:
+            update.update(fsdp.load_settings(cfg, self.precision.dtype))
+        model = load_model(cfg.model_copy(update=update), self.precision, source, to_shard=self.sharded)
+        if self.sharded:
+            fsdp.shard(model, self.world)
+            report.add("strategy", f"FSDP2: the base sharded over {self.world.size} processes, LoRA replicated")
         if cfg.packing and (why := check_isolation(model)):
             raise UserError(f"`packing`: {why}; set packing: false")
         optimizer = build_optimizer(cfg, model)
@@ -129,7 +123,8 @@ class Trainer:
         self.live = Live(model, optimizer, scheduler, scaler)
         self.parts = StepParts(model, optimizer, scaler, self.precision, self.tokenizer.pad_token_id,
                                cfg.max_grad_norm)
-        autobatch.confirm(auto, self.parts, self.data.train, cfg, enable_checkpointing)
+        if not self.sharded:  # a trial OOM on one rank would leave the others in an all-gather
+            autobatch.confirm(auto, self.parts, self.data.train, cfg, enable_checkpointing)
         for row in autobatch.table_rows(auto, cfg.global_batch_size):
             report.add(*row)
         memory_rows(report, auto.estimate, auto.micro_batch, auto.gradient_checkpointing)
@@ -166,6 +161,7 @@ class Trainer:
                                                     loaded.state.get("auto_choice"))
         else:
             self.metrics.reset_to("")
+        self._follow_oom_request()
         self.sessions = SessionLog(self.run.sessions) if main else world.Silent()
         self.sessions.start(from_step=self.state.step, total_steps=self.total, world_size=self.world.size)
         self.trackers = open_trackers(cfg, self.run.root, self.state.step, self.sessions.session) if main \
@@ -178,6 +174,14 @@ class Trainer:
         # The rollback point for repeated NaNs when no checkpoint exists yet.
         self.initial_state = self.snapshot() if not start_from else None
 
+    def _follow_oom_request(self) -> None:
+        """Under FSDP an OOM restarted the workers (continuation.restart_after_oom): take its micro-batch."""
+        applied = continuation.follow_oom_request(self.run, self.recovery, self.cfg, self.state.step, self.world,
+                                                  self.checkpointer.rollback_point)
+        if applied is not None:
+            step, old, new = applied
+            self.metrics.write({"step": step, "event": "oom", "micro_batch_size": new, "was": old, "restarted": True})
+
     def _restore(self, loaded: Loaded) -> None:
         saved = self.checkpointer.restore(loaded, self.live)
         self.state = progress_of(saved)
@@ -185,6 +189,11 @@ class Trainer:
         self.recovery = Recovery(**{k: extra[k] for k in Recovery.__dataclass_fields__})
         window = saved.get("log_window") or extra
         self.window = LogWindow(window["window_loss"], window["window_steps"])
+
+    @property
+    def strategy(self) -> str:
+        """How the ranks share the work, as the checkpoint records it (its files are the same for all)."""
+        return "fsdp" if self.parts.sharded else ("replicated" if self.world.distributed else "single")
 
     def snapshot(self) -> dict:
         """Every file of a checkpoint at this step boundary (tensors serialised later)."""
@@ -194,7 +203,7 @@ class Trainer:
                  "log_window": asdict(self.window), "config": self.cfg.model_dump(mode="json"),
                  "data_fingerprint": self.data.fingerprint, "total_steps": self.total,
                  "torch_threads": torch.get_num_threads(), "auto_choice": self.auto.record(),
-                 "world_size": self.world.size}
+                 "world_size": self.world.size, "strategy": self.strategy}
         return snapshot(self.live, state, self.metrics.text(), include_optimizer=not self.cfg.save_only_model)
 
     # --- the loop --------------------------------------------------------------------------
@@ -206,7 +215,10 @@ class Trainer:
         own = self.stop is None  # the Python API's Trainer used on its own: handlers for the loop only
         stop = self.stop = self.stop or StopRequest()
         stop.eta = self._seconds_to_stop
-        hooks = [m.register_forward_pre_hook(stop.check) for m in safe_points(self.live.model)]
+        # A second signal abandons the step at the next layer; not under FSDP, where a rank that left
+        # mid-forward would leave the others in an all-gather: there the step ends, then the save.
+        hooks = [] if self.parts.sharded else \
+            [m.register_forward_pre_hook(stop.check) for m in safe_points(self.live.model)]
         self.step_started = time.monotonic()
         try:
             stop.install()
@@ -263,6 +275,9 @@ class Trainer:
             try:
                 return optimizer_step(self.parts, rows, self.recovery.micro_batch_size, self.state.step)
             except torch.OutOfMemoryError as e:
+                if self.parts.sharded:  # the peers wait in an all-gather: only a restart of all brings them back
+                    continuation.restart_after_oom(self.run, self.recovery, self.cfg.global_batch_size,
+                                                   self.state.step, e)
                 free_memory(self.live.optimizer)
                 reset_rng(step_rng)
                 try:
@@ -305,16 +320,12 @@ class Trainer:
         return True
 
     def _log_window(self, lr: float, grad_norm: float, tok_s: float) -> None:
-        s, w = self.state, self.window
         if getattr(self, "mfu_meter", None) is None:  # FLOPs per token counted once; {} on the CPU
             from relaytune.training.mfu import MfuMeter
 
             self.mfu_meter = MfuMeter(self.live.model, self.cfg.max_seq_length, self.precision)
-        self.metrics.write({"step": s.step, "loss": round(w.window_loss / w.window_steps, 6),
-                            "learning_rate": lr, "grad_norm": grad_norm,
-                            "epoch": round(s.step / self.order.steps_per_epoch, 4),
-                            "tokens_seen": s.tokens_seen, "tokens_per_second": round(tok_s, 1),
-                            **self.mfu_meter.fields(tok_s), **peak_memory()})
+        self.metrics.write(step_record(self.state, self.window, lr, grad_norm, tok_s, self.order.steps_per_epoch,
+                                       self.mfu_meter.fields(tok_s)))
         self.window = LogWindow()
 
     def maybe_evaluate(self) -> None:
@@ -401,22 +412,4 @@ class Trainer:
         self.checkpointer.close()
         # An exception kept by the caller holds this frame: drop every reference to the model here.
         self.__dict__.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-                torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces allocated otherwise
-
-
-def peak_memory() -> dict:
-    if not torch.cuda.is_available():
-        return {}
-    return {"peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
-
-
-def safe_points(model) -> list:
-    """Where a step may be abandoned: before the forward of the model and of each of its layers (the
-    elements of its longest ModuleList), so a long step is left within one layer's time."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    layers = list(max(lists, key=len)) if lists else []
-    return [model, *layers]
+        release_gpu()
