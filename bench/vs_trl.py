@@ -160,6 +160,7 @@ def worker_relaytune(args) -> dict:
         cfg["bf16"] = True
     if args.quant == "4bit":
         cfg.update(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    cfg["adapter_dtype"] = relaytune_adapter_dtype(args)
     for item in args.relaytune_set or []:  # A/B of relaytune's own settings, e.g. torch_compile=false
         key, _, value = item.partition("=")
         cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
@@ -189,6 +190,7 @@ def worker_relaytune(args) -> dict:
         for key in ("mfu", "mfu_lora"):  # 6N + attention, and the LoRA-honest 4N + attention
             if all(key in r for r in timed):
                 res[key] = round(statistics.median(r[key] for r in timed), 4)
+    res["adapter_dtype"] = cfg["adapter_dtype"]
     if args.relaytune_set:
         res["relaytune_set"] = list(args.relaytune_set)
     if cuda and steps:
@@ -312,6 +314,14 @@ def worker_trl(args, liger: bool) -> dict:
     return res
 
 
+def relaytune_adapter_dtype(args) -> str:
+    """relaytune's adapter_dtype for this case: `match` takes TRL's own choice, which its raw lines
+    record as adapter_dtypes (TRL 1.16 casts QLoRA adapters to bf16 and keeps LoRA's in fp32)."""
+    if args.adapter_dtype != "match":
+        return args.adapter_dtype
+    return "bfloat16" if args.quant == "4bit" else "float32"
+
+
 def worker(args) -> None:
     import torch
 
@@ -335,7 +345,7 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
            "--seq", str(args.seq), "--batch", str(batch), "--accum", str(args.accum),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--optim", args.optim,
            "--lr", str(args.lr), "--lora-dropout", str(args.lora_dropout),
-           "--save-steps", str(args.save_steps or 0)]
+           "--save-steps", str(args.save_steps or 0), "--adapter-dtype", args.adapter_dtype]
     if args.packing:
         cmd.append("--packing")
     if system == "relaytune":
@@ -450,6 +460,8 @@ def main() -> None:
     p.add_argument("--optim", default="adamw_torch", choices=["adamw_torch", "paged_adamw_8bit"])
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--adapter-dtype", default="match", choices=["match", "float32", "bfloat16"],
+                   help="relaytune's adapter_dtype; match: the dtype TRL gives its adapters in this case")
     p.add_argument("--packing", action="store_true",
                    help="short documents packed to --seq by both systems (TRL: bfd, padding-free)")
     p.add_argument("--save-steps", type=int, default=0, help="relaytune checkpoint every N steps (0: none)")
@@ -527,6 +539,9 @@ def main() -> None:
         header = (f"### {args.arch} {'QLoRA' if args.quant == '4bit' else 'LoRA'}, seq {args.seq}, micro-batch "
                   f"{args.batch} x accum {args.accum}, {args.optim}{', packed' if args.packing else ''} "
                   f"({device}, {time.strftime('%Y-%m-%d')})")
+    header += f"; relaytune adapter_dtype {relaytune_adapter_dtype(args)}"
+    if args.relaytune_set:
+        header += ", " + ", ".join(args.relaytune_set)
     text = report(args, results, notes, header)
     text += f"<!-- command: python bench/vs_trl.py {' '.join(sys.argv[1:])} ; total {time.time() - t0:.0f}s -->\n"
     print(text)

@@ -8,6 +8,7 @@ token are decided here and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import warnings
@@ -161,7 +162,9 @@ def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None =
     # `auto` is resolved by the trainer before the model loads (training/autobatch.py); left as auto here
     # (evaluation, export: no backward) it means off.
     if cfg.gradient_checkpointing is True:
-        enable_checkpointing(model)
+        enable_checkpointing(model, offload=cfg.offload_activations)
+    elif cfg.offload_activations:
+        notice("offload_activations: nothing to offload while gradient checkpointing is off")
     lora = LoraConfig(
         r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
         target_modules=cfg.lora_target_modules, bias="none", task_type="CAUSAL_LM",
@@ -171,14 +174,19 @@ def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None =
             model = get_peft_model(model, lora)
     except ValueError as e:
         raise UserError(f"`lora_target_modules`: {e}") from None
+    if cfg.adapter_dtype == "bfloat16":  # PEFT made them fp32; the optimizer state follows the parameters
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
     from relaytune.training.speedups import apply_speedups  # compile, flex attention: off on the CPU by default
 
     apply_speedups(model, cfg, precision)
     return model
 
 
-def enable_checkpointing(model) -> None:
-    """Gradient checkpointing on a transformers model (or a PEFT model around one), non-reentrant."""
+def enable_checkpointing(model, offload: bool = False) -> None:
+    """Gradient checkpointing on a transformers model (or a PEFT model around one), non-reentrant;
+    `offload`: each checkpointed layer keeps its input in pinned CPU memory (offload_activations)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks when the inputs do not require grad
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x: the old name warns
@@ -186,6 +194,36 @@ def enable_checkpointing(model) -> None:
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
     base.enable_input_require_grads()
+    if offload:
+        for module in base.modules():
+            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+            if checkpoint is not None:
+                module._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, checkpoint)
+
+
+def offloaded_checkpoint(checkpoint, function, *args, **kwargs):
+    """`checkpoint(function, *args)` with the inputs it keeps in pinned CPU memory. Non-reentrant
+    checkpointing saves its inputs through autograd's saved-tensor hooks, so these hooks receive them;
+    what the layer saves inside is still dropped and recomputed, under checkpointing's own inner hooks."""
+    with torch.autograd.graph.saved_tensors_hooks(_to_host, _to_device):
+        return checkpoint(function, *args, **kwargs)
+
+
+def _to_host(tensor: torch.Tensor):
+    if not tensor.is_cuda:
+        return tensor
+    # Asynchronous on the compute stream: the GPU block is reused only after the copy (the caching
+    # allocator orders reuse by stream), and the pinned block only after its copy back (an event).
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return tensor.device, host
+
+
+def _to_device(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, host = packed
+    return host.to(device, non_blocking=True)
 
 
 def _bnb_config(cfg: TrainConfig, precision: Precision):

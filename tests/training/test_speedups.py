@@ -171,6 +171,15 @@ def test_compiled_layers_match_eager(tiny_model, tmp_path, one_thread):
         assert g2 == pytest.approx(g1, rel=COMPILE_RTOL)
 
 
+def test_isolation_check_compiles_nothing(tiny_model, tmp_path, one_thread):
+    """Its tiny inference rows once made Inductor fail on a GPU and leave flex unfused for the run."""
+    model = _model(_cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True))
+    assert all(layer._compiled_call_impl is not None for layer in speedups.decoder_layers(model))
+    before = speedups.compile_stats()
+    assert check_isolation(model) is None
+    assert speedups.compile_stats() == before
+
+
 # --- MFU -------------------------------------------------------------------------------------
 def test_peak_table():
     assert mfu.peak_flops("NVIDIA H200") == 989e12

@@ -39,6 +39,8 @@ HARMLESS_KEYS = {
     # Same maths, other kernels: equal within rounding, never bit for bit on a GPU anyway; on the
     # CPU both default to off, so a run that never sets them stays byte-identical across resumes.
     "torch_compile", "attention",
+    # Where the checkpointed layer inputs wait for backward (GPU or pinned CPU memory), not what they hold.
+    "offload_activations",
     # The global batch does not depend on the process count; a crash-restart budget is not maths.
     "num_gpus", "max_restarts",
     # Sharding changes where the frozen weights live, not the LoRA maths or the checkpoint's files;

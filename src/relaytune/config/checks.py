@@ -1,4 +1,5 @@
-"""Value checks the schema applies per field: ranges, sane caps, credentials in URLs, times.
+"""Value checks the schema applies: per field (ranges, sane caps, credentials in URLs, times) and
+across fields (refuse_contradictions).
 
 Each cap says why: a value past it either crashes later (an allocation, an overflow, a
 library's own refusal mid-run) or cannot be meant, and refusing it up front gives exit 2
@@ -134,3 +135,54 @@ def parse_timestamp(text: str) -> float:
         return datetime.fromisoformat(str(text).strip().replace("Z", "+00:00")).timestamp()
     except ValueError:
         raise ValueError(f"{text!r} is not an ISO 8601 time; write e.g. 2026-12-01T06:00:00Z") from None
+
+
+def refuse_contradictions(cfg) -> None:
+    """Settings that are each valid but cannot hold together; a ValueError names them."""
+    if cfg.fp16 and cfg.bf16:
+        raise ValueError("fp16 and bf16 are both true; choose one (or leave both unset for auto)")
+    if cfg.load_in_4bit and cfg.load_in_8bit:
+        raise ValueError("load_in_4bit and load_in_8bit are both true; choose one")
+    if cfg.fsdp is True and cfg.load_in_8bit:
+        raise ValueError("fsdp: true cannot shard an 8-bit base (load_in_8bit); use load_in_4bit, "
+                         "or fsdp: false to replicate it on every GPU")
+    if cfg.fsdp is True and cfg.load_in_4bit and cfg.bnb_4bit_quant_storage == "uint8":
+        raise ValueError("fsdp: true needs a float bnb_4bit_quant_storage (uint8 is turned into plain "
+                         "tensors by FSDP and trains silently to loss 0 or NaN); set it to auto")
+    if cfg.eval_steps is not None and cfg.eval_steps < 1:
+        raise ValueError("eval_steps must be at least 1 (or unset)")
+    if not cfg.save_every_seconds >= 0:
+        raise ValueError("save_every_seconds must be 0 (off) or positive")
+    if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
+        raise ValueError("save_total_limit must be at least 1 (or unset to keep all)")
+    if cfg.offload_activations and cfg.gradient_checkpointing is False:
+        raise ValueError("offload_activations: true moves the checkpointed layer inputs to the CPU, so it "
+                         "needs gradient_checkpointing: true (or auto)")
+
+
+def settle_global_batch(cfg) -> None:
+    """global_batch_size always holds the rows per optimizer step once validated (see its docstring)."""
+    micro, accum, given = (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                           cfg.global_batch_size)
+    accum_set = "gradient_accumulation_steps" in cfg.model_fields_set
+    if micro == "auto":
+        if given is None:
+            raise ValueError(
+                "per_device_train_batch_size: auto needs the global batch stated as global_batch_size: N "
+                "(rows per optimizer step; e.g. global_batch_size: 16). gradient_accumulation_steps "
+                "cannot state it when the micro-batch is chosen for you")
+        if accum_set and accum != 1:
+            raise ValueError(
+                f"with per_device_train_batch_size: auto, gradient_accumulation_steps ({accum}) follows from "
+                f"the micro-batch chosen; remove it and keep global_batch_size: {given}")
+        return
+    if given is None:
+        cfg.global_batch_size = micro * accum
+    elif given != micro * accum:
+        if accum_set or given % micro:
+            raise ValueError(
+                f"global_batch_size ({given}) is not per_device_train_batch_size ({micro}) x "
+                f"gradient_accumulation_steps ({accum}) = {micro * accum}; give global_batch_size with "
+                "the micro-batch (it must divide it) and leave gradient_accumulation_steps out, "
+                "or use per_device_train_batch_size: auto")
+        cfg.gradient_accumulation_steps = given // micro

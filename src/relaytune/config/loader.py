@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -161,8 +162,9 @@ def _explain(error: ValidationError, raw: dict, where: dict[str, str]) -> str:
                 msg = "not one of the allowed values"
             suffix = f" (allowed: {allowed})" if allowed else ""
             lines.append(f"{_at(where, key)}`{key}`: {msg}; got {_shown(raw.get(key))}{suffix}")
-        else:
-            lines.append(msg)
+        else:  # settings that contradict each other: point at the first key the message names
+            named = sorted((m.start(), k) for k in where if (m := re.search(rf"\b{re.escape(k)}\b", msg)))
+            lines.append(f"{_at(where, named[0][1])}{msg}" if named else msg)
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

@@ -16,6 +16,7 @@ shifted loss would otherwise predict it from the previous sample's last token.
 from __future__ import annotations
 
 import bisect
+import contextlib
 
 import numpy as np
 
@@ -106,8 +107,13 @@ def check_isolation(model) -> str | None:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()  # no dropout, so the passes are comparable
+    # Eager even where the layers are compiled: these three tiny inference shapes would each cost a
+    # compile, and on an H200 Inductor failed to lower FlexAttention's decoding kernel for them, after
+    # which the packed run trained with flex unfused (bench/results/vs-trl-h200.md).
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    eager = set_stance("force_eager") if set_stance else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eager:
             packed = model(input_ids=ids.to(device), position_ids=pos.to(device)).logits[0, 12:].float()
             alone = model(input_ids=b.to(device)).logits[0].float()
             leaked = model(input_ids=ids.to(device)).logits[0, 12:].float()

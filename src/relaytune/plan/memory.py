@@ -55,6 +55,10 @@ BACKWARD_PLAIN = 1.6
 # compiled QLoRA cases with checkpointing in bench/results/planner.md (no held-out check yet).
 BACKWARD_COMPILED_QUANTIZED = 1.5
 BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, whatever the batch
+# With offload_activations, what stayed on the GPU beyond the other parts, per token of the micro-batch:
+# 1.08 GiB at 32,768 tokens (Qwen2.5-3B QLoRA, micro-batch 16) and 0.55 GiB at 16,384 (Llama-3-8B QLoRA,
+# micro-batch 8), compiled layers on an H200 (bench/results/vs-trl-h200.md). Not yet explained.
+OFFLOAD_RESIDUAL_PER_TOKEN = 34 * 1024
 SLACK_FRACTION = 0.05  # reserved above allocated: the caching allocator's rounding and fragmentation
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages optimizer state of tensors this large
 EIGHT_BIT_MIN_NUMEL = 4096  # smaller tensors keep fp32 moments in the 8-bit optimizers
@@ -78,6 +82,8 @@ class Settings:
     staging: bool = True  # a background save's GPU copy may overlap the next step
     rollback_copy: bool = True  # a fresh run keeps the initial adapter on the GPU
     compiled_layers: bool = False  # torch_compile in force: each decoder layer compiled by Inductor
+    offload_activations: bool = False  # checkpointed layer inputs held in pinned CPU memory
+    adapter_bytes: int = 4  # adapter_dtype: 4 for float32, 2 for bfloat16 (weights, gradients, AdamW moments)
 
 
 @dataclass
@@ -113,13 +119,14 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
     a = DTYPE_BYTES[s.compute_dtype]
     lora = lora_tensor_sizes(arch, s)
     n_lora = sum(lora)
-    opt_torch, opt_paged = optimizer_bytes(lora, s.optim)
+    opt_torch, opt_paged = optimizer_bytes(lora, s.optim, s.adapter_bytes)
     layer = layer_saved_bytes(arch, s)
-    parts = {"frozen weights": weight_bytes(arch, s), "LoRA parameters": 4 * n_lora,
-             "LoRA gradients": 4 * n_lora, "optimizer state": opt_torch,
+    parts = {"frozen weights": weight_bytes(arch, s), "LoRA parameters": s.adapter_bytes * n_lora,
+             "LoRA gradients": s.adapter_bytes * n_lora, "optimizer state": opt_torch,
              "checkpoint staging": staging_bytes(n_lora, opt_torch + opt_paged, s)}
     if gradient_checkpointing:
-        parts["saved activations"] = arch.num_layers * tokens * a * arch.hidden_size
+        parts["saved activations"] = tokens * OFFLOAD_RESIDUAL_PER_TOKEN if s.offload_activations \
+            else arch.num_layers * tokens * a * arch.hidden_size
         layer_phase = {"recomputed layer": tokens * layer, "backward working set": working_set(arch, s, tokens)}
     else:
         parts["saved activations"] = arch.num_layers * tokens * layer
@@ -178,10 +185,10 @@ def weight_bytes(arch: Architecture, s: Settings) -> int:
     return int(quantized + (arch.embedding_params() + arch.other_params()) * a)
 
 
-def optimizer_bytes(sizes: list[int], optim: str) -> tuple[int, int]:
+def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int = 4) -> tuple[int, int]:
     """(bytes torch allocates, bytes in paged unified memory) of the optimizer state."""
-    if optim == "adamw_torch":
-        return 8 * sum(sizes), 0
+    if optim == "adamw_torch":  # two moments in the parameters' dtype
+        return 2 * param_bytes * sum(sizes), 0
     allocated = paged = 0
     for n in sizes:
         if n < EIGHT_BIT_MIN_NUMEL:
@@ -198,8 +205,8 @@ def optimizer_bytes(sizes: list[int], optim: str) -> tuple[int, int]:
 
 
 def staging_bytes(n_lora: int, optimizer_total: int, s: Settings) -> int:
-    save_copy = 4 * n_lora + (0 if s.save_only_model else optimizer_total) if s.staging else 0
-    return save_copy + (4 * n_lora if s.rollback_copy else 0)
+    save_copy = s.adapter_bytes * n_lora + (0 if s.save_only_model else optimizer_total) if s.staging else 0
+    return save_copy + (s.adapter_bytes * n_lora if s.rollback_copy else 0)
 
 
 def layer_saved_bytes(arch: Architecture, s: Settings) -> int:
@@ -271,7 +278,8 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
              "fp4": "linear layers in FP4"}[s.quantization]
     rest = "" if s.quantization == "none" else \
         f", embeddings{'' if arch.tied_embeddings else ' and head'} in {s.compute_dtype}"
-    opt = {"adamw_torch": "two fp32 moments", "adamw_8bit": "8-bit moments",
+    adapter = "fp32" if s.adapter_bytes == 4 else "bf16"
+    opt = {"adamw_torch": f"two {adapter} moments", "adamw_8bit": "8-bit moments",
            "paged_adamw_8bit": "8-bit moments"}[s.optim]
     if paged:
         opt += f"; {paged / GIB:.2f} GiB more is paged (outside torch's count)"
@@ -282,10 +290,13 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
         loss = f"full logits of {tokens:,} tokens x {arch.vocab_size:,} ({arch.model_type} gets no chunked loss)"
     saved = ("each layer's input per token (checkpointing)" if gc
              else "every layer's activations (no checkpointing)")
+    if gc and s.offload_activations:
+        saved = ("the layer inputs are in pinned CPU memory (offload_activations); what stays on the GPU per "
+                 "token, as measured")
     staging = "a save's GPU copy of adapter + optimizer" if s.staging else ""
     if s.rollback_copy:
         staging += (" + " if staging else "") + "the initial adapter (NaN rollback)"
-    return {"frozen weights": quant + rest, "LoRA parameters": f"{n_lora / 1e6:.1f} M in fp32",
-            "LoRA gradients": "fp32", "optimizer state": opt, "checkpoint staging": staging,
+    return {"frozen weights": quant + rest, "LoRA parameters": f"{n_lora / 1e6:.1f} M in {adapter}",
+            "LoRA gradients": adapter, "optimizer state": opt, "checkpoint staging": staging,
             "saved activations": saved, "recomputed layer": "one layer's activations, rebuilt in backward",
             "backward working set": "gradients in flight in one layer's backward", "loss": loss}

@@ -50,7 +50,9 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         double_quant=getattr(cfg, "bnb_4bit_use_double_quant", True), compute_dtype=dtype, optim=cfg.optim,
         lora_r=cfg.lora_r, lora_target_modules=targets if isinstance(targets, str) else tuple(targets),
         lora_dropout=cfg.lora_dropout, save_only_model=cfg.save_only_model, labelled_fraction=labelled_fraction,
-        compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu))
+        compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu),
+        offload_activations=bool(getattr(cfg, "offload_activations", False)),
+        adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4)
 
 
 def compiles_layers(setting, gpu: Gpu) -> bool:
@@ -127,12 +129,12 @@ def make_plan(cfg, gpu: Gpu, *, arch: Architecture | None = None, rows: int | No
 def checkpoint_disk(arch: Architecture, settings: Settings, save_total_limit: int | None) -> tuple[int, int, int]:
     """(bytes per checkpoint, checkpoints on disk at once, disk for the run including the final adapter).
 
-    A checkpoint holds the fp32 adapter, the whole optimizer state (unless save_only_model) and
+    A checkpoint holds the adapter (in adapter_dtype), the whole optimizer state (unless save_only_model) and
     ~64 KiB of JSON; retention deletes only after the next one is committed, so one more is on disk.
     """
     sizes = lora_tensor_sizes(arch, settings)
-    adapter = 4 * sum(sizes)
-    optimizer = 0 if settings.save_only_model else sum(optimizer_bytes(sizes, settings.optim))
+    adapter = settings.adapter_bytes * sum(sizes)
+    optimizer = 0 if settings.save_only_model else sum(optimizer_bytes(sizes, settings.optim, settings.adapter_bytes))
     per_checkpoint = adapter + optimizer + CHECKPOINT_EXTRA
     kept = (save_total_limit or UNLIMITED_KEEP) + 1
     return per_checkpoint, kept, kept * per_checkpoint + adapter + CHECKPOINT_EXTRA

@@ -267,7 +267,8 @@ def trial_step(parts, rows: list) -> int | None:
 
 def confirm(choice: AutoChoice, parts, train_rows, cfg, enable_checkpointing=None, step=trial_step) -> AutoChoice:
     """Run the trial step at the chosen micro-batch; on a real OOM bisect down over the divisors of the
-    global batch. `enable_checkpointing(model)` turns checkpointing on when even 1 does not fit without it."""
+    global batch. `enable_checkpointing(model, offload=...)` turns checkpointing on when even 1 does not
+    fit without it."""
     if not choice.probes:
         return choice
     global_batch = cfg.global_batch_size
@@ -300,7 +301,7 @@ def confirm(choice: AutoChoice, parts, train_rows, cfg, enable_checkpointing=Non
         choice.refresh_estimate()
         return choice
     if not choice.gradient_checkpointing and choice.auto_gc and enable_checkpointing is not None:
-        enable_checkpointing(parts.model)
+        enable_checkpointing(parts.model, offload=cfg.offload_activations)
         choice.gradient_checkpointing = True
         choice.how_gc = "auto: on (the trial step ran out of memory without it)"
         return confirm(choice, parts, train_rows, cfg, None, step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,24 @@ from relaytune.config.schema import TrainConfig
 from relaytune.log import warn
 
 GIB = 1024 ** 3
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def prefer_expandable_segments(env=None) -> bool:
+    """Let the CUDA caching allocator grow segments in place (expandable_segments), unless the user
+    configured the allocator: activations change size from step to step, and fixed-size segments then
+    leave gaps that count as reserved memory, which is what a memory cap (or a 15 GB card) runs out of.
+    Returns whether it was set."""
+    env = os.environ if env is None else env
+    if not torch.cuda.is_available() or any(env.get(name) for name in ALLOC_CONF_VARS):
+        return False
+    # torch 2.10+ names it for every accelerator (the CUDA name warns there); older torch has the CUDA one.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    try:
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+    except (AttributeError, RuntimeError):  # an older torch, or a platform without it: keep the default
+        return False
+    return True
 
 
 @dataclass

@@ -41,6 +41,7 @@ from relaytune.training.recovery import (
     Recovery,
     free_memory,
     is_bad_step,
+    prefer_expandable_segments,
     release_gpu,
     shrink_after_oom,
 )
@@ -75,6 +76,7 @@ class Trainer:
         warn_storage(self.run.root)
         # Rank 0 alone cleans up and chooses the checkpoint; every rank gets its choice.
         start_from = self.world.decide(lambda: self.checkpointer.resume_point(fresh))
+        prefer_expandable_segments()  # before the first CUDA allocation
         self.precision = choose_precision(cfg)
         self.deadline = time_budget(cfg)
         report = Report()

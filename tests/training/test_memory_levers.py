@@ -1,0 +1,146 @@
+"""The opt-in memory levers, checked on the CPU where their paths run there.
+
+- offload_activations: the input of every checkpointed decoder layer goes through relaytune's
+  host hooks (on a GPU they copy it to pinned CPU memory and back), and nothing else does;
+  the loss and every gradient are bit for bit those of plain checkpointing.
+- adapter_dtype: bfloat16 makes the LoRA weights, their gradients, their AdamW moments and the
+  saved adapter bf16, and a run killed mid-way still ends byte-identical to an uninterrupted one.
+- prefer_expandable_segments leaves an allocator the user configured alone.
+
+The GPU side (pinned copies, memory saved, speed) is measured in bench/results/vs-trl-h200.md.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.run_helpers import make_config, run_until_done, step_records
+
+import relaytune.model
+from relaytune.config.loader import load_config
+from relaytune.config.schema import TrainConfig
+from relaytune.errors import UserError
+from relaytune.model import choose_precision, load_model
+from relaytune.plan.architectures import from_table
+from relaytune.plan.memory import Settings, estimate_memory
+from relaytune.training import speedups
+from relaytune.training.loss import causal_lm_loss
+from relaytune.training.recovery import prefer_expandable_segments
+
+BATCH, SEQ = 3, 17
+
+
+def _model(tiny_model, tmp_path, **kw):
+    cfg = TrainConfig(model=str(tiny_model), dataset="unused.jsonl", output_dir=str(tmp_path / "run"),
+                      lora_dropout=0.0, gradient_checkpointing=True, **kw)
+    torch.manual_seed(0)
+    model = load_model(cfg, choose_precision(cfg))
+    with torch.no_grad():  # a nonzero adapter, so that its gradients flow through every layer
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    model.train()
+    return model
+
+
+def _batch(vocab: int) -> dict:
+    ids = torch.randint(10, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def test_offload_hands_exactly_the_layer_inputs_to_the_host_and_keeps_the_maths(
+        tiny_model, tmp_path, one_thread, monkeypatch):
+    packed: list[tuple] = []
+
+    def record(tensor):  # stands in for the pinned copy, which needs a GPU
+        packed.append(tuple(tensor.shape))
+        return tensor
+
+    monkeypatch.setattr(relaytune.model, "_to_host", record)
+    results = {}
+    for offload in (False, True):
+        packed.clear()
+        model = _model(tiny_model, tmp_path, offload_activations=offload)
+        batch = _batch(model.config.vocab_size)
+        loss = causal_lm_loss(model, batch, int((batch["labels"][:, 1:] != -100).sum()))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[offload] = (loss.detach(), grads, list(packed))
+    layers = len(speedups.decoder_layers(model))
+    hidden = model.config.hidden_size
+    assert results[False][2] == []
+    assert results[True][2] == [(BATCH, SEQ, hidden)] * layers
+    assert torch.equal(results[False][0], results[True][0])
+    assert results[False][1].keys() == results[True][1].keys() and len(results[True][1]) > 0
+    for name, grad in results[False][1].items():
+        assert torch.equal(grad, results[True][1][name]), name
+
+
+def test_offload_needs_checkpointing(tiny_model, chat_data, tmp_path):
+    cfg = make_config(tmp_path, tiny_model, chat_data, offload_activations=True)
+    with pytest.raises(UserError, match="offload_activations: true moves the checkpointed layer inputs to the "
+                                        "CPU, so it needs gradient_checkpointing: true") as e:
+        load_config(str(cfg))
+    assert str(cfg) in str(e.value)
+    assert load_config(str(make_config(tmp_path / "auto", tiny_model, chat_data, offload_activations=True,
+                                       gradient_checkpointing="auto"))).offload_activations
+
+
+def test_bf16_adapters_train_in_bf16(tiny_model, tmp_path, one_thread):
+    model = _model(tiny_model, tmp_path, adapter_dtype="bfloat16")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and {p.dtype for p in trainable} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.float32}
+    batch = _batch(model.config.vocab_size)
+    causal_lm_loss(model, batch, BATCH * (SEQ - 1)).backward()
+    assert {p.grad.dtype for p in trainable} == {torch.bfloat16}
+
+
+def test_bf16_adapters_resume_byte_identical(tiny_model, chat_data, tmp_path, fork_cli):
+    settings = dict(adapter_dtype="bfloat16", max_steps=8, save_steps=3, lora_dropout=0.1)
+    ref = make_config(tmp_path / "ref", tiny_model, chat_data, **settings)
+    assert fork_cli.run("train", str(ref)).returncode == 0
+    saved = tmp_path / "ref/run/checkpoints/step-6"
+    assert {t.dtype for t in load_file(str(saved / "adapter_model.safetensors")).values()} == {torch.bfloat16}
+    moments = {k: t.dtype for k, t in load_file(str(saved / "optimizer.safetensors")).items() if "exp_avg" in k}
+    assert moments and set(moments.values()) == {torch.bfloat16}
+
+    cut = make_config(tmp_path / "cut", tiny_model, chat_data, **settings)
+    killed = fork_cli.run("train", str(cut), env={"RELAYTUNE_CRASH_AT": "step:end:5"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_until_done(fork_cli, cut)
+    final = "run/final/adapter_model.safetensors"
+    assert (tmp_path / "cut" / final).read_bytes() == (tmp_path / "ref" / final).read_bytes()
+    assert [x["step"] for x in step_records(tmp_path / "cut/run/metrics.jsonl")] == list(range(1, 9))
+
+
+def test_changing_adapter_dtype_on_resume_is_refused(tiny_model, chat_data, tmp_path, fork_cli):
+    first = make_config(tmp_path, tiny_model, chat_data, max_steps=4, save_steps=2)
+    killed = fork_cli.run("train", str(first), env={"RELAYTUNE_CRASH_AT": "step:end:3"})
+    assert killed.returncode == -signal.SIGKILL
+    again = make_config(tmp_path, tiny_model, chat_data, max_steps=4, save_steps=2, adapter_dtype="bfloat16")
+    r = fork_cli.run("train", str(again))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "`adapter_dtype`: 'float32' -> 'bfloat16'" in r.stderr
+
+
+def test_planner_counts_both_levers():
+    arch = from_table("meta-llama/Meta-Llama-3-8B")
+    def estimate(**kw):
+        return estimate_memory(arch, Settings(max_seq_length=2048, quantization="nf4", **kw), 8, True)
+
+    plain, offload, bf16 = estimate(), estimate(offload_activations=True), estimate(adapter_bytes=2)
+    assert plain.parts["saved activations"] == 32 * 8 * 2048 * 2 * 4096  # 4 GiB: each layer's bf16 input
+    assert offload.parts["saved activations"] == 8 * 2048 * 34 * 1024  # the residual measured on an H200
+    assert "pinned CPU memory" in offload.details["saved activations"]
+    for part in ("LoRA parameters", "LoRA gradients", "optimizer state"):
+        assert bf16.parts[part] * 2 == plain.parts[part], part
+
+
+def test_expandable_segments_leave_a_configured_allocator_alone():
+    assert prefer_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) is False
+    if not torch.cuda.is_available():
+        assert prefer_expandable_segments({}) is False
