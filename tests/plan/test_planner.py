@@ -285,8 +285,22 @@ def test_plan_when_nothing_fits_says_what_to_change(tmp_path, capsys):
     assert "nothing fits, not even micro-batch 1" in out
     changes = dict(re.findall(r"^    - (.+): (\d+\.\d+ GiB \(.+\))$", out, re.M))
     assert set(changes) >= {"load_in_4bit: true", "optim: paged_adamw_8bit", "gradient_checkpointing: true",
-                            "all of the above"}
+                            "offload_activations: true (with gradient_checkpointing: true)", "all of the above"}
     assert changes["all of the above"].endswith("(fits)")
+
+
+def test_plan_offers_offloading_when_it_fits_a_larger_micro_batch(tmp_path, capsys):
+    """Llama-3-8B QLoRA at seq 2048 on a T4: 4 fits, and 8 with offloading, as an H200 capped at 14.5 GiB
+    measured (bench/results/vs-trl-h200.md)."""
+    settings = dict(model=LLAMA8B, load_in_4bit=True, gradient_checkpointing=True, max_seq_length=2048,
+                    per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    out = run_plan(capsys, str(write_config(tmp_path, **settings)), "--gpu", "T4")
+    assert "largest micro-batch that fits at global batch 16: 4:" in out
+    assert "with offload_activations: true, micro-batch 8 fits" in out
+    (tmp_path / "on").mkdir()
+    on = run_plan(capsys, str(write_config(tmp_path / "on", **settings, offload_activations=True)), "--gpu", "T4")
+    assert re.search(r"^verdict: FITS", on, re.M) and "with offload_activations" not in on
+    assert "layer inputs are in pinned CPU memory" in on
 
 
 def test_plan_gives_a_smaller_micro_batch_and_accepts_custom_cards(tmp_path, capsys):

@@ -73,9 +73,12 @@ def changes_when_nothing_fits(arch: Architecture, settings: Settings, gpu: Gpu,
                         gradient_checkpointing))
     if not gradient_checkpointing:
         options.append(("gradient_checkpointing: true", settings, True))
+    if not settings.offload_activations:
+        what = "offload_activations: true" + ("" if gradient_checkpointing else " (with gradient_checkpointing: true)")
+        options.append((what, replace(settings, offload_activations=True), True))
     out = [_change(arch, s, gpu, gc, what) for what, s, gc in options]
     # Everything above at once; a shorter sequence is proposed only if that is not enough.
-    combined = replace(settings, quantization="nf4", optim="paged_adamw_8bit")
+    combined = replace(settings, quantization="nf4", optim="paged_adamw_8bit", offload_activations=True)
     if len(options) > 1:
         out.append(_change(arch, combined, gpu, True, "all of the above"))
     if options and fit_status(estimate_memory(arch, combined, 1, True), gpu) == FITS:
@@ -100,6 +103,15 @@ def _shortest_fitting_seq(arch, settings, gpu, gc) -> int | None:
         if fit_status(estimate_memory(arch, replace(settings, max_seq_length=seq), 1, gc), gpu) == FITS:
             return seq
     return None
+
+
+def largest_with_offload(arch: Architecture, settings: Settings, gpu: Gpu, global_batch: int,
+                         gradient_checkpointing: bool) -> int | None:
+    """The largest micro-batch dividing the global batch that offload_activations would fit, when the
+    config has checkpointing on and offloading off (None otherwise, or if not even 1 fits)."""
+    if not gradient_checkpointing or settings.offload_activations:
+        return None
+    return largest_micro_batch(arch, replace(settings, offload_activations=True), gpu, global_batch, True)
 
 
 @dataclass(frozen=True)

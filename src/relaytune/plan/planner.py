@@ -14,6 +14,7 @@ from relaytune.plan.advice import (
     choose_auto,
     fit_status,
     largest_micro_batch,
+    largest_with_offload,
 )
 from relaytune.plan.architectures import Architecture
 from relaytune.plan.gpus import Gpu
@@ -76,6 +77,7 @@ class Plan:
     gc_off: CheckpointingOff | None  # only when the config has checkpointing on
     gc_off_throughput: Throughput | None
     changes: list[Change]  # only when not even micro-batch 1 fits
+    offload_best: int | None  # the largest micro-batch with offload_activations (checkpointing on, offload off)
     checkpoint_bytes: int
     checkpoints_kept: int
     disk_bytes: int
@@ -122,6 +124,7 @@ def make_plan(cfg, gpu: Gpu, *, arch: Architecture | None = None, rows: int | No
         gc_off_throughput=estimate_throughput(arch, gpu, settings.max_seq_length, False, settings.quantization,
                                               settings.compute_dtype) if gc else None,
         changes=changes_when_nothing_fits(arch, settings, gpu, gc) if best_any is None else [],
+        offload_best=largest_with_offload(arch, settings, gpu, global_batch, gc),
         checkpoint_bytes=per_ckpt, checkpoints_kept=kept, disk_bytes=disk, throughput=throughput, steps=steps,
         tokens=tokens, tokens_note=note, eta=eta, notes=plan_notes(arch, settings, gpu, cfg))
 
