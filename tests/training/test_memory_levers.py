@@ -2,7 +2,8 @@
 
 - offload_activations: the input of every checkpointed decoder layer goes through relaytune's
   host hooks (on a GPU they copy it to pinned CPU memory and back), and nothing else does;
-  the loss and every gradient are bit for bit those of plain checkpointing.
+  the loss and every gradient are bit for bit those of plain checkpointing; the preflight says
+  how much host memory it pins and refuses (exit 2) more than the host has available.
 - adapter_dtype: bfloat16 makes the LoRA weights, their gradients, their AdamW moments and the
   saved adapter bf16, and a run killed mid-way still ends byte-identical to an uninterrupted one.
 - prefer_expandable_segments leaves an allocator the user configured alone.
@@ -23,11 +24,12 @@ import relaytune.model
 from relaytune.config.loader import load_config
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
-from relaytune.model import choose_precision, load_model
+from relaytune.model import Precision, choose_precision, load_model
 from relaytune.plan.architectures import from_table
 from relaytune.plan.memory import Settings, estimate_memory
 from relaytune.training import speedups
 from relaytune.training.loss import causal_lm_loss
+from relaytune.training.preflight import Report, check_offload, predicted_checkpoint_bytes
 from relaytune.training.recovery import prefer_expandable_segments
 
 BATCH, SEQ = 3, 17
@@ -138,6 +140,36 @@ def test_planner_counts_both_levers():
     assert "pinned CPU memory" in offload.details["saved activations"]
     for part in ("LoRA parameters", "LoRA gradients", "optimizer state"):
         assert bf16.parts[part] * 2 == plain.parts[part], part
+
+
+def test_offload_preflight_counts_the_pinned_memory_and_refuses_what_the_host_cannot_hold(
+        tiny_model, tmp_path, one_thread, monkeypatch):
+    model = _model(tiny_model, tmp_path, offload_activations=True)
+    cfg = TrainConfig(model=str(tiny_model), dataset="d.jsonl", output_dir=str(tmp_path / "run"),
+                      gradient_checkpointing=True, offload_activations=True, max_seq_length=1024)
+    gpu = Precision(torch.device("cuda", 0), torch.bfloat16, torch.bfloat16, False)  # nothing here touches CUDA
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    need = layers * 8 * 1024 * hidden * 2  # every layer's bf16 input of micro-batch 8
+    report = Report()
+    check_offload(report, model, cfg, 8, True, gpu, available=4 * need)
+    assert report.rows == [("offload", f"{need / 2**30:.2f} GiB of pinned host memory for the layer inputs "
+                                       f"({4 * need / 2**30:.1f} GiB available)")]
+    with pytest.raises(UserError, match=r"offload_activations: true pins about .* \(micro-batch 8 x 1024 tokens "
+                                        rf"x {layers} layers x 2 processes\)"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        check_offload(Report(), model, cfg, 8, True, gpu, available=int(2 * need))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    for micro, gc, precision in ((8, False, gpu), (8, True, choose_precision(cfg))):
+        quiet = Report()
+        check_offload(quiet, model, cfg, micro, gc, precision, available=1)
+        assert quiet.rows == []
+
+
+def test_checkpoint_size_follows_the_adapter_dtype(tiny_model, tmp_path, one_thread):
+    cfg = TrainConfig(model=str(tiny_model), dataset="d.jsonl", output_dir=str(tmp_path / "run"))
+    fp32 = predicted_checkpoint_bytes(_model(tiny_model, tmp_path), cfg)
+    bf16 = predicted_checkpoint_bytes(_model(tiny_model, tmp_path, adapter_dtype="bfloat16"), cfg)
+    assert fp32 - 64 * 1024 == 2 * (bf16 - 64 * 1024)
 
 
 def test_expandable_segments_leave_a_configured_allocator_alone():

@@ -18,6 +18,7 @@ from relaytune.errors import UserError
 from relaytune.log import info, warn
 
 GIB = 1024 ** 3
+HOST_SHARE = 0.8  # of the host's available memory that offloaded activations may pin (the rest: data, Python)
 
 
 @dataclass
@@ -72,16 +73,53 @@ def memory_rows(report: Report, estimate, micro_batch: int, gradient_checkpointi
 
 
 def predicted_checkpoint_bytes(model, cfg: TrainConfig) -> int:
-    """One checkpoint: the fp32 adapter, the optimizer's two moments, a little JSON and RNG."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    adapter = trainable * 4
+    """One checkpoint: the adapter (in adapter_dtype), the optimizer's two moments, a little JSON and RNG."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in params)
+    adapter = sum(p.numel() * p.element_size() for p in params)
     if cfg.save_only_model:
         moments = 0
     elif cfg.optim == "adamw_torch":
-        moments = trainable * 8
+        moments = 2 * adapter  # in the parameters' dtype
     else:  # 8-bit moments plus one fp32 absmax per block of 256
         moments = trainable * 2 + trainable // 256 * 8
     return adapter + moments + 64 * 1024
+
+
+def check_offload(report: Report, model, cfg: TrainConfig, micro_batch: int, gradient_checkpointing: bool,
+                  precision, available: int | None = None) -> None:
+    """offload_activations pins every layer's input of a micro-batch in host memory: say how much, and
+    refuse (exit 2) what this host cannot hold, since the kernel would kill the run at that step on
+    every re-run. Ranks on one host each pin their own. Nothing is pinned on the CPU or without checkpointing."""
+    if not (cfg.offload_activations and gradient_checkpointing and precision.device.type == "cuda"):
+        return
+    seq, activation_bytes = cfg.max_seq_length, (precision.autocast or precision.dtype).itemsize
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    text = getattr(base.config, "get_text_config", lambda: base.config)()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    need = ranks * text.num_hidden_layers * micro_batch * seq * text.hidden_size * activation_bytes
+    available = host_available_bytes() if available is None else available
+    where = f"{available / GIB:.1f} GiB available" if available else "available memory unknown"
+    report.add("offload", f"{need / GIB:.2f} GiB of pinned host memory for the layer inputs ({where})")
+    if available and need > HOST_SHARE * available:
+        raise UserError(
+            f"offload_activations: true pins about {need / GIB:.1f} GiB of host memory for the layer inputs "
+            f"(micro-batch {micro_batch} x {seq} tokens x {text.num_hidden_layers} layers"
+            f"{f' x {ranks} processes' if ranks > 1 else ''}), and this machine has {available / GIB:.1f} GiB "
+            "available; lower per_device_train_batch_size (the global batch can stay) or max_seq_length, "
+            "or set offload_activations: false")
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux: Colab, Kaggle, SLURM nodes); None elsewhere."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_disk(report: Report, output_dir: Path, per_checkpoint: int, cfg: TrainConfig, adapter_bytes: int) -> None:

@@ -35,7 +35,14 @@ from relaytune.training import autobatch, continuation, rollback, stopping
 from relaytune.training.environment import time_budget, warn_storage
 from relaytune.training.evaluation import eval_loss
 from relaytune.training.optim import build_optimizer, build_scheduler, warn_short_schedule
-from relaytune.training.preflight import Report, check_disk, check_gpu, memory_rows, predicted_checkpoint_bytes
+from relaytune.training.preflight import (
+    Report,
+    check_disk,
+    check_gpu,
+    check_offload,
+    memory_rows,
+    predicted_checkpoint_bytes,
+)
 from relaytune.training.recovery import (
     NoSmallerBatch,
     Recovery,
@@ -130,6 +137,7 @@ class Trainer:
         for row in autobatch.table_rows(auto, cfg.global_batch_size):
             report.add(*row)
         memory_rows(report, auto.estimate, auto.micro_batch, auto.gradient_checkpointing)
+        check_offload(report, model, cfg, auto.micro_batch, auto.gradient_checkpointing, self.precision)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # loading (bf16 shards before quantizing) is not training
         per_checkpoint = predicted_checkpoint_bytes(model, cfg)
