@@ -57,9 +57,9 @@ def test_offload_hands_exactly_the_layer_inputs_to_the_host_and_keeps_the_maths(
         tiny_model, tmp_path, one_thread, monkeypatch):
     packed: list[tuple] = []
 
-    def record(tensor):  # stands in for the pinned copy, which needs a GPU
+    def record(tensor):  # a separate copy, standing in for the pinned one (which needs a GPU)
         packed.append(tuple(tensor.shape))
-        return tensor
+        return tensor.device, tensor.detach().clone()
 
     monkeypatch.setattr(relaytune.model, "_to_host", record)
     results = {}
