@@ -142,6 +142,11 @@ def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None =
 
     `to_shard`: FSDP will shard it (distributed/fsdp.py), so an unquantized base stays on the CPU
     and reaches the GPU shard by shard; a 4-bit base is quantized on the GPU as it loads."""
+    if cfg.adapter_dtype == "bfloat16" and precision.use_grad_scaler:
+        # The gradient scaler's CUDA unscale kernels have taken fp32 and fp16 gradients, not bf16.
+        raise UserError("`adapter_dtype`: bfloat16 adapters need bf16 (or fp32) training, and this run trains in "
+                        "fp16 with a gradient scaler (a GPU without bf16, such as a T4, or fp16: true); "
+                        "set adapter_dtype: float32")
     import_bitsandbytes()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

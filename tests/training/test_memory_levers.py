@@ -101,6 +101,18 @@ def test_bf16_adapters_train_in_bf16(tiny_model, tmp_path, one_thread):
     assert {p.grad.dtype for p in trainable} == {torch.bfloat16}
 
 
+def test_bf16_adapters_are_refused_with_fp16_training(tiny_model, chat_data, tmp_path):
+    cfg = make_config(tmp_path, tiny_model, chat_data, adapter_dtype="bfloat16", fp16=True)
+    with pytest.raises(UserError, match=r"config.yaml:\d+: adapter_dtype: bfloat16 needs bf16 \(or fp32\) "
+                                        "training, and fp16: true trains with a gradient scaler"):
+        load_config(str(cfg))
+    t4 = Precision(torch.device("cpu"), torch.float16, torch.float16, True)  # fp16 chosen for a GPU without bf16
+    loaded = TrainConfig(model=str(tiny_model), dataset="d.jsonl", output_dir=str(tmp_path / "run"),
+                         adapter_dtype="bfloat16")
+    with pytest.raises(UserError, match="this run trains in fp16 with a gradient scaler .* set adapter_dtype: float32"):
+        load_model(loaded, t4)
+
+
 def test_bf16_adapters_resume_byte_identical(tiny_model, chat_data, tmp_path, fork_cli):
     settings = dict(adapter_dtype="bfloat16", max_steps=8, save_steps=3, lora_dropout=0.1)
     ref = make_config(tmp_path / "ref", tiny_model, chat_data, **settings)

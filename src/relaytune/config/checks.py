@@ -155,6 +155,9 @@ def refuse_contradictions(cfg) -> None:
         raise ValueError("save_every_seconds must be 0 (off) or positive")
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
         raise ValueError("save_total_limit must be at least 1 (or unset to keep all)")
+    if cfg.fp16 and cfg.adapter_dtype == "bfloat16":
+        raise ValueError("adapter_dtype: bfloat16 needs bf16 (or fp32) training, and fp16: true trains with a "
+                         "gradient scaler; set adapter_dtype: float32")
     if cfg.offload_activations and cfg.gradient_checkpointing is False:
         raise ValueError("offload_activations: true moves the checkpointed layer inputs to the CPU, so it "
                          "needs gradient_checkpointing: true (or auto)")

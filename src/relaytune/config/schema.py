@@ -195,7 +195,8 @@ class TrainConfig(BaseModel):
     adapter_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the LoRA weights, their gradients and their AdamW state. bfloat16 halves that memory
     (Llama-3-8B all-linear r16: 0.31 GiB) as TRL and the QLoRA reference code do for 4-bit bases,
-    but rounds away updates smaller than 1/256 of a weight; float32 keeps them."""
+    but rounds away updates smaller than 1/256 of a weight; float32 keeps them. Not with fp16 training
+    (a T4): its gradient scaler takes fp32 adapters."""
 
     # --- LoRA ------------------------------------------------------------------
     lora_r: int = 16
