@@ -137,16 +137,20 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
+def check_trainable(cfg: TrainConfig, precision: Precision) -> None:
+    """Refuse adapters this precision cannot train: the gradient scaler's CUDA unscale kernels have
+    taken fp32 and fp16 gradients, not bf16. (Evaluating such adapters in fp16 is fine.)"""
+    if cfg.adapter_dtype == "bfloat16" and precision.use_grad_scaler:
+        raise UserError("`adapter_dtype`: bfloat16 adapters need bf16 (or fp32) training, and this run trains in "
+                        "fp16 with a gradient scaler (a GPU without bf16, such as a T4, or fp16: true); "
+                        "set adapter_dtype: float32")
+
+
 def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None = None, to_shard: bool = False):
     """The base model with a fresh LoRA adapter on it, ready for training.
 
     `to_shard`: FSDP will shard it (distributed/fsdp.py), so an unquantized base stays on the CPU
     and reaches the GPU shard by shard; a 4-bit base is quantized on the GPU as it loads."""
-    if cfg.adapter_dtype == "bfloat16" and precision.use_grad_scaler:
-        # The gradient scaler's CUDA unscale kernels have taken fp32 and fp16 gradients, not bf16.
-        raise UserError("`adapter_dtype`: bfloat16 adapters need bf16 (or fp32) training, and this run trains in "
-                        "fp16 with a gradient scaler (a GPU without bf16, such as a T4, or fp16: true); "
-                        "set adapter_dtype: float32")
     import_bitsandbytes()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

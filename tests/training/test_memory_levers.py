@@ -24,7 +24,7 @@ import relaytune.model
 from relaytune.config.loader import load_config
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
-from relaytune.model import Precision, choose_precision, load_model
+from relaytune.model import Precision, check_trainable, choose_precision, load_model
 from relaytune.plan.architectures import from_table
 from relaytune.plan.memory import Settings, estimate_memory
 from relaytune.training import speedups
@@ -110,7 +110,8 @@ def test_bf16_adapters_are_refused_with_fp16_training(tiny_model, chat_data, tmp
     loaded = TrainConfig(model=str(tiny_model), dataset="d.jsonl", output_dir=str(tmp_path / "run"),
                          adapter_dtype="bfloat16")
     with pytest.raises(UserError, match="this run trains in fp16 with a gradient scaler .* set adapter_dtype: float32"):
-        load_model(loaded, t4)
+        check_trainable(loaded, t4)
+    check_trainable(loaded, choose_precision(loaded))  # fp32 on the CPU: no scaler, fine
 
 
 def test_bf16_adapters_resume_byte_identical(tiny_model, chat_data, tmp_path, fork_cli):

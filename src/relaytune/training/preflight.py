@@ -72,6 +72,15 @@ def memory_rows(report: Report, estimate, micro_batch: int, gradient_checkpointi
                          f"frozen weights {estimate.parts['frozen weights'] / GIB:.2f} GiB")
 
 
+def check_built(report: Report, model, cfg: TrainConfig, auto, precision, output_dir: Path) -> None:
+    """The checks that need the built model: the planned peak at the micro-batch in force (`auto`, an
+    autobatch.AutoChoice), the host memory offloading pins, and the disk its checkpoints need."""
+    memory_rows(report, auto.estimate, auto.micro_batch, auto.gradient_checkpointing)
+    check_offload(report, model, cfg, auto.micro_batch, auto.gradient_checkpointing, precision)
+    per_checkpoint = predicted_checkpoint_bytes(model, cfg)
+    check_disk(report, output_dir, per_checkpoint, cfg, per_checkpoint // 3)
+
+
 def predicted_checkpoint_bytes(model, cfg: TrainConfig) -> int:
     """One checkpoint: the adapter (in adapter_dtype), the optimizer's two moments, a little JSON and RNG."""
     params = [p for p in model.parameters() if p.requires_grad]

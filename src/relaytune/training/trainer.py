@@ -27,7 +27,14 @@ from relaytune.data.packing import check_isolation
 from relaytune.distributed import agree, fsdp, world
 from relaytune.errors import StoppedEarly, UserError
 from relaytune.log import info, warn
-from relaytune.model import choose_precision, enable_checkpointing, load_model, load_tokenizer, resolve_source
+from relaytune.model import (
+    check_trainable,
+    choose_precision,
+    enable_checkpointing,
+    load_model,
+    load_tokenizer,
+    resolve_source,
+)
 from relaytune.observe.metrics import MetricsLog, SessionLog
 from relaytune.observe.trackers import open_trackers
 from relaytune.run_dir import RunDir
@@ -35,14 +42,7 @@ from relaytune.training import autobatch, continuation, rollback, stopping
 from relaytune.training.environment import time_budget, warn_storage
 from relaytune.training.evaluation import eval_loss
 from relaytune.training.optim import build_optimizer, build_scheduler, warn_short_schedule
-from relaytune.training.preflight import (
-    Report,
-    check_disk,
-    check_gpu,
-    check_offload,
-    memory_rows,
-    predicted_checkpoint_bytes,
-)
+from relaytune.training.preflight import Report, check_built, check_gpu
 from relaytune.training.recovery import (
     NoSmallerBatch,
     Recovery,
@@ -85,6 +85,7 @@ class Trainer:
         start_from = self.world.decide(lambda: self.checkpointer.resume_point(fresh))
         prefer_expandable_segments()  # before the first CUDA allocation
         self.precision = choose_precision(cfg)
+        check_trainable(cfg, self.precision)
         self.deadline = time_budget(cfg)
         report = Report()
         report.add("time", self.deadline.describe())
@@ -136,12 +137,9 @@ class Trainer:
             autobatch.confirm(auto, self.parts, self.data.train, cfg, enable_checkpointing)
         for row in autobatch.table_rows(auto, cfg.global_batch_size):
             report.add(*row)
-        memory_rows(report, auto.estimate, auto.micro_batch, auto.gradient_checkpointing)
-        check_offload(report, model, cfg, auto.micro_batch, auto.gradient_checkpointing, self.precision)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # loading (bf16 shards before quantizing) is not training
-        per_checkpoint = predicted_checkpoint_bytes(model, cfg)
-        check_disk(report, self.run.root, per_checkpoint, cfg, per_checkpoint // 3)
+        check_built(report, model, cfg, auto, self.precision, self.run.root)
         if self.world.is_main:  # every rank checked its own GPU and disk; one table is enough
             report.print()
 
