@@ -88,11 +88,11 @@ def _micro_batch_lines(plan: Plan) -> list[str]:
         lines.append(f"  largest micro-batch that fits at global batch {global_batch}: {best}{faster}: "
                      f"per_device_train_batch_size: {best}, gradient_accumulation_steps: {global_batch // best} "
                      f"({gib(plan.best_memory.total_reserved)} on the card; same global batch, same maths)")
-    # Fewer micro-batches per step are possible when the largest that fits does not divide the global batch:
-    # relaytune then cuts each step into unequal ones (the loss is normalised over the global batch).
     if plan.offload_best and plan.offload_best > (best or 0):
         lines.append(f"  with offload_activations: true, micro-batch {plan.offload_best} fits (each layer's input "
                      "waits in pinned CPU memory for backward: PCIe traffic every step)")
+    # Fewer micro-batches per step are possible when the largest that fits does not divide the global batch:
+    # relaytune then cuts each step into unequal ones (the loss is normalised over the global batch).
     steps_any = math.ceil(global_batch / plan.best_any)
     if steps_any < (global_batch // best if best else global_batch + 1):
         even = math.ceil(global_batch / steps_any)
