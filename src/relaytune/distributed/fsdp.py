@@ -50,13 +50,13 @@ def sharded(cfg, world, frozen_bytes: int | None, free_bytes: list[int] | None =
 
 
 def _free_gpu_bytes() -> list[int]:
-    import os
-
     import torch
+
+    from relaytune.distributed.world import local_size
 
     if not torch.cuda.is_available():
         return []
-    used = min(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), torch.cuda.device_count())
+    used = min(local_size(), torch.cuda.device_count())
     return [torch.cuda.mem_get_info(i)[0] for i in range(used)]
 
 

@@ -212,6 +212,13 @@ def current() -> World:
     return _current
 
 
+def local_size(env=None) -> int:
+    """Processes on this host (torchrun's LOCAL_WORLD_SIZE; 1 when alone): local ranks 0..n-1 each take
+    the GPU of their number."""
+    env = os.environ if env is None else env
+    return int(env.get("LOCAL_WORLD_SIZE") or 1)
+
+
 def from_env(env=None) -> World:
     env = os.environ if env is None else env
     size = int(env.get("WORLD_SIZE") or 1)

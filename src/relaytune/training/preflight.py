@@ -6,7 +6,6 @@ fails again: we look first and say so plainly.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 
 from relaytune.config.schema import TrainConfig
+from relaytune.distributed.world import local_size
 from relaytune.errors import UserError
 from relaytune.log import info, warn
 
@@ -41,7 +41,7 @@ def check_gpu(report: Report, frozen_bytes: int | None, env_free: tuple[int, int
     if not torch.cuda.is_available():
         report.add("GPU", "none (training on CPU)")
         return
-    used = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # the local rank picks the GPU (distributed/world.py)
+    used = local_size()  # the local rank picks the GPU
     for i in range(torch.cuda.device_count()):
         free, total = env_free or torch.cuda.mem_get_info(i)
         mine = torch.cuda.memory_reserved(i)
@@ -105,7 +105,7 @@ def check_offload(report: Report, model, cfg: TrainConfig, micro_batch: int, gra
     seq, activation_bytes = cfg.max_seq_length, (precision.autocast or precision.dtype).itemsize
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     text = getattr(base.config, "get_text_config", lambda: base.config)()
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    ranks = local_size()
     need = ranks * text.num_hidden_layers * micro_batch * seq * text.hidden_size * activation_bytes
     available = host_available_bytes() if available is None else available
     where = f"{available / GIB:.1f} GiB available" if available else "available memory unknown"
