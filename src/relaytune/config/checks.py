@@ -1,5 +1,5 @@
-"""Value checks the schema applies: per field (ranges, sane caps, credentials in URLs, times) and
-across fields (refuse_contradictions).
+"""Value checks the schema applies: per field (ranges, sane caps, credentials in URLs, times, tracker
+names) and across fields (refuse_contradictions).
 
 Each cap says why: a value past it either crashes later (an allocation, an overflow, a
 library's own refusal mid-run) or cannot be meant, and refusing it up front gives exit 2
@@ -137,8 +137,25 @@ def parse_timestamp(text: str) -> float:
         raise ValueError(f"{text!r} is not an ISO 8601 time; write e.g. 2026-12-01T06:00:00Z") from None
 
 
+def tracker_names(value: Any) -> str | list[str]:
+    """report_to as one name or a list of them: "a,b" and lists split, case folded, all expanded, none
+    dropped; ValueError for an unknown tracker."""
+    names = [value] if isinstance(value, str) else list(value or ["none"])
+    names = [n.strip().lower() for item in names for n in str(item).split(",") if n.strip()]
+    known = ("tensorboard", "wandb", "trackio", "mlflow")
+    if "all" in names:
+        names = list(known)
+    bad = [n for n in names if n not in known + ("none",)]
+    if bad:
+        raise ValueError(f"unknown tracker {bad[0]!r}; choose from none, {', '.join(known)}, all")
+    names = [n for n in names if n != "none"]
+    return names if len(names) > 1 else (names[0] if names else "none")
+
+
 def refuse_contradictions(cfg) -> None:
     """Settings that are each valid but cannot hold together; a ValueError names them."""
+    if cfg.load_best_model_at_end and not (cfg.eval_dataset or cfg.val_set_size > 0):
+        raise ValueError("load_best_model_at_end needs eval data: set eval_dataset or val_set_size")
     if cfg.fp16 and cfg.bf16:
         raise ValueError("fp16 and bf16 are both true; choose one (or leave both unset for auto)")
     if cfg.load_in_4bit and cfg.load_in_8bit:

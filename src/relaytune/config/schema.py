@@ -20,6 +20,7 @@ from relaytune.config.checks import (
     parse_timestamp,
     refuse_contradictions,
     settle_global_batch,
+    tracker_names,
 )
 from relaytune.config.datasets import DatasetSource, Format, check_columns
 
@@ -283,22 +284,7 @@ class TrainConfig(BaseModel):
     @field_validator("report_to", mode="before")
     @classmethod
     def _trackers(cls, v):
-        names = [v] if isinstance(v, str) else list(v or ["none"])
-        names = [n.strip().lower() for item in names for n in str(item).split(",") if n.strip()]
-        known = ("tensorboard", "wandb", "trackio", "mlflow")
-        if "all" in names:
-            names = list(known)
-        bad = [n for n in names if n not in known + ("none",)]
-        if bad:
-            raise ValueError(f"unknown tracker {bad[0]!r}; choose from none, {', '.join(known)}, all")
-        names = [n for n in names if n != "none"]
-        return names if len(names) > 1 else (names[0] if names else "none")
-
-    @model_validator(mode="after")
-    def _best_needs_eval(self) -> TrainConfig:
-        if self.load_best_model_at_end and not (self.eval_dataset or self.val_set_size > 0):
-            raise ValueError("load_best_model_at_end needs eval data: set eval_dataset or val_set_size")
-        return self
+        return tracker_names(v)
 
     @field_validator("model", "dataset", "output_dir")
     @classmethod
