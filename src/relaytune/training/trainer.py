@@ -38,7 +38,7 @@ from relaytune.model import (
 from relaytune.observe.metrics import MetricsLog, SessionLog
 from relaytune.observe.trackers import open_trackers
 from relaytune.run_dir import RunDir
-from relaytune.training import autobatch, continuation, rollback, stopping
+from relaytune.training import autobatch, continuation, rollback, step_log, stopping
 from relaytune.training.environment import time_budget, warn_storage
 from relaytune.training.evaluation import eval_loss
 from relaytune.training.optim import build_optimizer, build_scheduler, warn_short_schedule
@@ -47,13 +47,12 @@ from relaytune.training.recovery import (
     NoSmallerBatch,
     Recovery,
     free_memory,
-    is_bad_step,
     prefer_expandable_segments,
     release_gpu,
     shrink_after_oom,
 )
 from relaytune.training.step import StepParts, StepResult, optimizer_step
-from relaytune.training.step_log import LogWindow, step_record
+from relaytune.training.step_log import LogWindow
 from relaytune.training.stops import Abandoned, StopRequest, safe_points
 
 
@@ -296,45 +295,7 @@ class Trainer:
 
     def record(self, result: StepResult, rows: list, t0: float) -> bool:
         """Count the step, log it; False when repeated non-finite steps rolled the run back."""
-        lr = self.live.optimizer.param_groups[0]["lr"]
-        self.live.scheduler.step()
-        self.state.step += 1
-        tokens = sum(len(r.input_ids) for r in rows)
-        self.state.tokens_seen += tokens
-        seconds = time.monotonic() - t0
-        self.step_seconds = seconds if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * seconds
-        tok_s = tokens / max(time.monotonic() - t0, 1e-9)
-        if is_bad_step(result.loss, result.grad_norm, self.live.scaler is not None):
-            self.state.skipped_steps += 1
-            self.recovery.consecutive_bad_steps += 1
-            self.metrics.write({"step": self.state.step, "event": "skipped_step", "loss": result.loss,
-                                "grad_norm": result.grad_norm})
-            if self.recovery.consecutive_bad_steps >= self.cfg.max_bad_steps:
-                self.roll_back()
-                self.bar.n = self.state.step
-                return False
-        else:
-            self.recovery.consecutive_bad_steps = 0
-            self.window.window_loss += result.loss
-        if self.live.scaler is not None and math.isfinite(result.loss) and not math.isfinite(result.grad_norm):
-            # fp16: the scaler skipped this update and halved its scale (routine, not a bad step): logged, counted
-            self.scaler_skips += 1
-            self.metrics.write({"step": self.state.step, "event": "scaler_skip", "scale": self.live.scaler.get_scale()})
-        self.window.window_steps += 1
-        if self.state.step % self.cfg.logging_steps == 0 or self.state.step == self.total:
-            self._log_window(lr, result.grad_norm, tok_s)
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
-        return True
-
-    def _log_window(self, lr: float, grad_norm: float, tok_s: float) -> None:
-        if getattr(self, "mfu_meter", None) is None:  # FLOPs per token counted once; {} on the CPU
-            from relaytune.training.mfu import MfuMeter
-
-            self.mfu_meter = MfuMeter(self.live.model, self.cfg.max_seq_length, self.precision)
-        self.metrics.write(step_record(self.state, self.window, lr, grad_norm, tok_s, self.order.steps_per_epoch,
-                                       self.mfu_meter.fields(tok_s)))
-        self.window = LogWindow()
+        return step_log.record_step(self, result, rows, t0)
 
     def maybe_evaluate(self) -> None:
         steps = self.cfg.eval_steps
