@@ -43,7 +43,7 @@ def _model(tiny_model, tmp_path, **kw):
     with torch.no_grad():  # a nonzero adapter, so that its gradients flow through every layer
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     model.train()
     return model
 

@@ -11,6 +11,8 @@ packed batch, loss within 1e-6. Tolerances: COMPILE_RTOL, FLEX_RTOL.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -38,7 +40,7 @@ def _model(cfg: TrainConfig):
     with torch.no_grad():  # a nonzero adapter, so that it matters
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
     return model
 
 
@@ -62,6 +64,24 @@ def test_defaults_leave_a_cpu_model_untouched(tiny_model, tmp_path, one_thread):
     on, why = speedups.flex_decision("flex", True, torch.device("cpu"))
     assert not on and "no backward on the CPU" in why
     assert speedups.flex_decision("flex", False, torch.device("cpu"))[0] is False
+
+
+def test_auto_attention_takes_flex_only_where_it_was_measured(monkeypatch):
+    """auto: flex on GPUs with Hopper's shared memory per block, SDPA on smaller ones unless asked."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(speedups, "_has_triton", lambda: True)
+    monkeypatch.setattr(speedups, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(speedups, "_shared_memory_per_block", lambda device: 232448)  # H100 / H200
+    assert speedups.flex_decision("auto", True, gpu) == (True, None)
+    assert speedups.flex_decision("auto", False, gpu) == (False, None), "padded batches keep SDPA"
+    assert speedups.flex_decision("sdpa", True, gpu) == (False, None)
+    monkeypatch.setattr(speedups, "_capability", lambda device: (8, 6))
+    monkeypatch.setattr(speedups, "_shared_memory_per_block", lambda device: 101376)  # sm_86 / sm_89
+    assert speedups.flex_decision("auto", True, gpu) == (False, None)
+    assert speedups.flex_decision("flex", True, gpu) == (True, None)
+    monkeypatch.setattr(speedups, "_capability", lambda device: (7, 0))
+    on, why = speedups.flex_decision("flex", True, gpu)
+    assert not on and why == "compute capability 7.0 is below 7.5"
 
 
 def test_flex_blockers():
@@ -169,6 +189,56 @@ def test_compiled_layers_match_eager(tiny_model, tmp_path, one_thread):
     for (l1, g1), (l2, g2) in zip(eager, compiled):
         assert l2 == pytest.approx(l1, rel=COMPILE_RTOL)
         assert g2 == pytest.approx(g1, rel=COMPILE_RTOL)
+
+
+def _packed_rows(vocab: int, segments) -> list[TokenRow]:
+    rng = np.random.default_rng(3)
+    rows = []
+    for lengths in segments:
+        ids, labels, segs = concat([(rng.integers(10, vocab, n), rng.integers(10, vocab, n)) for n in lengths])
+        rows.append(TokenRow(ids, labels, segs))
+    return rows
+
+
+def test_compiled_layers_get_packed_batches_of_one_width(tiny_model, tmp_path, one_thread):
+    """Packed micro-batches are padded to max_seq_length for compiled layers; the loss is unchanged."""
+    cfg = _cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True,
+               max_seq_length=64)
+    model = _model(cfg)
+    assert speedups.batch_width(model, cfg) == 64
+    assert speedups.batch_width(model, cfg.model_copy(update={"packing": False})) is None
+    eager_cfg = cfg.model_copy(update={"torch_compile": False})
+    eager = _model(eager_cfg)
+    assert speedups.batch_width(eager, eager_cfg) is None
+
+    rows = _packed_rows(eager.config.vocab_size, ((7, 12, 5), (20, 4)))
+    narrow, wide = collate(rows, pad_id=0), collate(rows, pad_id=0, width=64)
+    assert narrow["input_ids"].shape == (2, 24) and wide["input_ids"].shape == (2, 64)
+    assert wide["position_ids"][0, 24:].tolist() == list(range(40)), "the padding is a sample of its own"
+    assert (wide["labels"][:, 24:] == -100).all() and torch.equal(wide["input_ids"][:, :24], narrow["input_ids"])
+    assert "attention_mask" not in wide
+    assert document_ids(wide["position_ids"])[1].unique().tolist() == [1, 2, 3]
+    with torch.no_grad():
+        assert causal_lm_loss(eager, wide, 44).item() == pytest.approx(causal_lm_loss(eager, narrow, 44).item(),
+                                                                       rel=1e-6)
+
+
+@pytest.mark.slow  # one inductor C++ compile: ~30 s on a 2-core machine
+def test_packed_steps_of_other_lengths_do_not_recompile(tiny_model, tmp_path, one_thread):
+    from relaytune.training.step import StepParts, optimizer_step
+
+    cfg = _cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True,
+               max_seq_length=64)
+    model = _model(cfg)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    parts = StepParts(model, optimizer, None, choose_precision(cfg), 0, 1.0, width=speedups.batch_width(model, cfg))
+    vocab = model.config.vocab_size
+    optimizer_step(parts, _packed_rows(vocab, ((7, 12, 5), (20, 4))), 2, 0)
+    before = speedups.compile_stats()
+    result = optimizer_step(parts, _packed_rows(vocab, ((30, 9), (50,))), 2, 1)
+    assert result.updated
+    assert speedups.compile_stats() == before, "a second length compiled the layer again"
 
 
 def test_isolation_check_compiles_nothing(tiny_model, tmp_path, one_thread):

@@ -185,9 +185,10 @@ class TrainConfig(BaseModel):
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Attention for packed batches. flex: FlexAttention with one document mask per batch (packed
     samples never see each other), on CUDA GPUs of compute capability 7.5+ (a T4 or newer); sdpa:
-    PyTorch's scaled_dot_product_attention. auto: sdpa (flex is opt-in: on an H200, packed Qwen2.5-3B LoRA
-    ran 17,099 tokens/s with flex and 16,446 with SDPA, but flex's first two steps took a minute to compile).
-    Unpacked (padded) batches always keep SDPA. Equal within rounding, so changing it on resume is allowed."""
+    PyTorch's scaled_dot_product_attention. auto: flex on GPUs with Hopper's shared memory per block
+    (H100, H200, B200; measured faster there), sdpa elsewhere (flex's kernels have failed to compile on
+    GPUs with less). Unpacked (padded) batches always keep SDPA. Equal within rounding, so changing it
+    on resume is allowed."""
     offload_activations: bool = False
     """Keep each checkpointed decoder layer's input in pinned CPU memory, not on the GPU, and copy it
     back when backward recomputes that layer (as Unsloth and torchtune offer). Saves hidden size x 2

@@ -60,13 +60,15 @@ def total_steps(n_rows: int, global_batch: int, num_train_epochs: float, max_ste
     return max(1, math.ceil(num_train_epochs * math.ceil(n_rows / global_batch)))
 
 
-def micro_batches(rows: list[TokenRow], micro_batch_size: int, pad_id: int, flat: bool = False):
+def micro_batches(rows: list[TokenRow], micro_batch_size: int, pad_id: int, flat: bool = False,
+                  width: int | None = None):
     """Cut a global batch into padded micro-batches, keeping row order (see `collate`)."""
     for start in range(0, len(rows), micro_batch_size):
-        yield collate(rows[start:start + micro_batch_size], pad_id, flat)
+        yield collate(rows[start:start + micro_batch_size], pad_id, flat, width)
 
 
-def collate(rows: list[TokenRow], pad_id: int, flat: bool = False) -> dict[str, torch.Tensor]:
+def collate(rows: list[TokenRow], pad_id: int, flat: bool = False,
+            width: int | None = None) -> dict[str, torch.Tensor]:
     """Pad a micro-batch. Packed rows get per-sample position_ids and no attention_mask:
     from those, transformers builds a block-diagonal causal mask (SDPA/eager/flex), so packed
     samples never attend to each other. (It skips that detection when a KV cache is in use:
@@ -75,10 +77,11 @@ def collate(rows: list[TokenRow], pad_id: int, flat: bool = False) -> dict[str, 
 
     flat=True lays the whole micro-batch out as one row without padding, the only layout in
     which transformers' flash attention switches to varlen (`packing.flat_layout(model)`).
+    `width` pads to at least that many positions (compiled layers: one shape, `speedups.batch_width`).
     """
     if flat:
         return _flat(rows)
-    width = max(len(r.input_ids) for r in rows)
+    width = max(width or 0, *(len(r.input_ids) for r in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
     for i, r in enumerate(rows):

@@ -248,7 +248,7 @@ def trial_step(parts, rows: list) -> int | None:
                 if precision.autocast else contextlib.nullcontext())
     try:
         model.train()  # checkpointing and dropout act in training mode only
-        batch = {k: v.to(precision.device) for k, v in collate(rows, parts.pad_id).items()}
+        batch = {k: v.to(precision.device) for k, v in collate(rows, parts.pad_id, width=parts.width).items()}
         with autocast:
             loss = causal_lm_loss(model, batch, count_targets(rows), chunked=parts.chunked)
         loss.backward()

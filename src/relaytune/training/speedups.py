@@ -9,8 +9,9 @@ safe: whatever cannot run here is left off with a notice, never a crash.
   model share one graph, so warm-up is one layer's compile (printed after the first step).
   Recompilations are bounded (RECOMPILE_LIMIT) and logged; a compile error runs that code eagerly
   (`torch._dynamo.config.suppress_errors`).
-- attention (packed batches): the model's attention becomes `relaytune_flex`, which runs
-  FlexAttention when it is handed a BlockMask and SDPA otherwise. A forward pre-hook on the
+- attention (packed batches; auto: on Hopper-class GPUs, see flex_decision): the model's attention
+  becomes `relaytune_flex`, which runs FlexAttention when it is handed a BlockMask and SDPA
+  otherwise. Packed micro-batches are padded to max_seq_length (`batch_width`). A forward pre-hook on the
   decoder builds one BlockMask per batch from the packed position_ids (causal AND same document)
   and passes it as the attention mask, which transformers hands unchanged to every layer. Padded
   batches (they come with an attention_mask) keep SDPA and its fast path.
@@ -34,6 +35,7 @@ ATTENTION_NAME = "relaytune_flex"
 MIN_COMPILE_SM = (7, 0)  # Triton's floor
 MIN_FLEX_SM = (7, 5)  # T4 and newer, as torchtune gates it
 MIN_COMPILE_TORCH = (2, 6)
+AUTO_FLEX_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200 (232,448)
 
 
 def apply_speedups(model, cfg, precision) -> list[str]:
@@ -130,6 +132,23 @@ def _apply_compile(model, cfg, precision) -> list[str]:
     return [f"torch.compile on each of {len(layers)} decoder layers"]
 
 
+def batch_width(model, cfg) -> int | None:
+    """The width every packed training micro-batch is padded to when the layers are compiled or
+    FlexAttention runs (its kernel is compiled too).
+
+    Packed rows never exceed max_seq_length and nearly fill it, so padding them to it costs a few
+    positions, and the compiled layers see one shape for the whole run. Otherwise the first batch
+    of another length recompiles every layer with a symbolic sequence length (dynamo's automatic
+    dynamic shapes), which took the first two packed steps to about a minute on an H200. The
+    padding is a sample of its own with no targets (`data.batches.collate`): the loss is unchanged.
+    Padded (unpacked) batches keep their own width: their rows are often much shorter."""
+    if not getattr(cfg, "packing", False):
+        return None
+    compiled = [getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)]
+    flex = getattr(_base(model).config, "_attn_implementation", None) == ATTENTION_NAME
+    return int(cfg.max_seq_length) if (compiled and all(compiled)) or flex else None
+
+
 def configure_dynamo() -> None:
     """Bounded recompilation, logged; compile errors fall back to eager instead of raising."""
     import torch._dynamo.config as dynamo
@@ -146,12 +165,12 @@ def configure_dynamo() -> None:
 
 
 def compile_stats() -> dict:
-    """Graphs compiled and recompiles so far (dynamo's counters), for the logs and benchmarks."""
+    """Graphs compiled so far (dynamo's counter), for the logs and benchmarks. A recompile adds a
+    graph; dynamo keeps no count of recompiles itself, it logs each with its reason."""
     try:
         from torch._dynamo.utils import counters
 
-        return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
-                "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}
+        return {"graphs": int(counters["stats"].get("unique_graphs", 0))}
     except Exception:  # noqa: BLE001
         return {}
 
@@ -189,7 +208,7 @@ class WarmUpTimer:
         self.seconds = time.perf_counter() - self.t0
         stats = compile_stats()
         info(f"torch.compile warm-up: the first step took {self.seconds:.1f}s "
-             f"({stats.get('graphs', '?')} graphs compiled, {stats.get('recompiles', 0)} recompiles)")
+             f"({stats.get('graphs', '?')} graphs compiled)")
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -197,10 +216,12 @@ class WarmUpTimer:
 
 # --- document-masked attention -----------------------------------------------------------------
 def flex_decision(setting: str, packing: bool, device) -> tuple[bool, str | None]:
-    if setting in ("sdpa", "auto"):
-        # auto stays on SDPA: on an H200, packed Qwen2.5-3B LoRA ran 17,099 tokens/s with flex (once the
-        # isolation check stopped compiling its short rows) against 16,446 with SDPA, from one short run,
-        # and flex's first two steps compiled for a minute (bench/results/vs-trl-h200.md).
+    """(FlexAttention?, why not, when the user asked for it). auto takes it for packed batches on
+    GPUs that give a block AUTO_FLEX_SHARED_MEMORY of shared memory (Hopper, datacenter Blackwell):
+    there it was measured (bench/results/vs-trl-h200.md); on GPUs with less, its default Triton
+    kernels have failed to compile for lack of it in reported cases (sm_86/89/120:
+    pytorch/pytorch#133254, #180278), so auto keeps SDPA there and flex stays one setting away."""
+    if setting == "sdpa":
         return False, None
     asked = setting == "flex"
     if not packing:
@@ -210,6 +231,8 @@ def flex_decision(setting: str, packing: bool, device) -> tuple[bool, str | None
         return False, "FlexAttention has no backward on the CPU; using SDPA" if asked else None
     if cap < MIN_FLEX_SM:
         return False, f"compute capability {cap[0]}.{cap[1]} is below 7.5" if asked else None
+    if not asked and _shared_memory_per_block(device) < AUTO_FLEX_SHARED_MEMORY:
+        return False, None
     if not _has_triton():
         return False, "Triton is not installed" if asked else None
     try:
@@ -217,6 +240,11 @@ def flex_decision(setting: str, packing: bool, device) -> tuple[bool, str | None
     except ImportError:
         return False, f"torch {torch.__version__} has no FlexAttention"
     return True, None
+
+
+def _shared_memory_per_block(device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0))
 
 
 def flex_blocker(config) -> str | None:

@@ -38,6 +38,7 @@ class StepParts:
     pad_id: int
     max_grad_norm: float
     world: World = field(default_factory=current)  # one process unless the recipe joined a group
+    width: int | None = None  # pad every micro-batch to this many positions (speedups.batch_width)
 
     def __post_init__(self):
         self.chunked = supports_chunked_loss(self.model)
@@ -71,7 +72,7 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
                 if parts.precision.autocast else contextlib.nullcontext())
     total_loss = torch.zeros((), device=parts.precision.device)
     done = 0
-    for i, batch in enumerate(micro_batches(rows, micro_batch_size, parts.pad_id)):
+    for i, batch in enumerate(micro_batches(rows, micro_batch_size, parts.pad_id, width=parts.width)):
         batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
         if faults.oom_now(step, i):
             raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
@@ -83,7 +84,8 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
         total_loss += loss.detach().float()
         done += 1
     for _ in range(passes - done):
-        batch = {k: v.to(parts.precision.device) for k, v in next(micro_batches(filler, 1, parts.pad_id)).items()}
+        batch = next(micro_batches(filler, 1, parts.pad_id, width=parts.width))
+        batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
         with autocast:
             (causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked) * 0.0).backward()
     return total_loss

@@ -51,6 +51,7 @@ from relaytune.training.recovery import (
     release_gpu,
     shrink_after_oom,
 )
+from relaytune.training.speedups import batch_width
 from relaytune.training.step import StepParts, StepResult, optimizer_step
 from relaytune.training.step_log import LogWindow
 from relaytune.training.stops import Abandoned, StopRequest, safe_points
@@ -131,7 +132,7 @@ class Trainer:
         scaler = torch.amp.GradScaler("cuda") if self.precision.use_grad_scaler else None
         self.live = Live(model, optimizer, scheduler, scaler)
         self.parts = StepParts(model, optimizer, scaler, self.precision, self.tokenizer.pad_token_id,
-                               cfg.max_grad_norm)
+                               cfg.max_grad_norm, width=batch_width(model, cfg))
         if not self.sharded:  # a trial OOM on one rank would leave the others in an all-gather
             autobatch.confirm(auto, self.parts, self.data.train, cfg, enable_checkpointing)
         for row in autobatch.table_rows(auto, cfg.global_batch_size):
