@@ -62,7 +62,9 @@ def test_a_second_signal_after_the_stop_checkpoint_still_exits_75(signame, tmp_p
 def test_a_second_ctrl_c_during_a_step_abandons_it(tmp_path, tiny_model, chat_data, fork_cli):
     cfg = make_config(tmp_path, tiny_model, chat_data, max_steps=10_000, save_steps=2)
     run = tmp_path / "run"
-    child = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "3"})
+    # The first signal must land in the sleep after step 3's record and the second 0.5 s later, still
+    # inside it: with a 3 s sleep a loaded 2-core machine once noticed the record too late for that.
+    child = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "5"})
     _wait(_logged(run, 3), child.pid)  # step-2 is committed (in the background) by now
     os.kill(child.pid, signal.SIGINT)
     time.sleep(0.5)
@@ -94,3 +96,19 @@ def test_the_abandon_flag_is_raised_only_at_a_safe_point_and_only_soon_after(cap
     saving._handle(signal.SIGINT, None)
     saving.check()  # the stop checkpoint is being written: let it commit
     assert "being written" in capsys.readouterr().err
+
+
+def test_safe_points_are_the_decoder_layers_even_beside_a_longer_module_list(tiny_model):
+    """A model with a longer ModuleList beside its decoder (a vision tower, say) is still abandoned
+    between decoder layers, the blocks every step runs through."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relaytune.training.stops import safe_points
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    layers = list(model.model.layers)
+    model.tower = torch.nn.ModuleList(torch.nn.Identity() for _ in range(len(layers) + 5))
+    assert safe_points(model) == [model, *layers]
+    plain = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 3))
+    assert safe_points(plain) == [plain, *plain[0]], "no decoder: the longest ModuleList"

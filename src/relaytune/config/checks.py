@@ -129,8 +129,6 @@ def parse_duration(text: str) -> float:
 
 def parse_timestamp(text: str) -> float:
     """ISO 8601 time -> Unix seconds; a time without a zone is local time."""
-    from datetime import datetime
-
     try:
         return datetime.fromisoformat(str(text).strip().replace("Z", "+00:00")).timestamp()
     except ValueError:

@@ -158,10 +158,15 @@ class Deadline:
 
 
 def safe_points(model) -> list:
-    """Where a step may be abandoned: before the forward of the model and of each of its layers (the
-    elements of its longest ModuleList), so a long step is left within one layer's time."""
+    """Where a step may be abandoned: before the forward of the model and of each of its decoder
+    layers (the elements of its longest ModuleList when it has no decoder), so a long step is left
+    within one layer's time."""
     import torch
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    layers = list(max(lists, key=len)) if lists else []
+    from relaytune.training.speedups import decoder_layers
+
+    layers = decoder_layers(model)
+    if not layers:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        layers = list(max(lists, key=len)) if lists else []
     return [model, *layers]
