@@ -113,6 +113,32 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def relaytune_config(args, out: Path) -> dict:
+    """relaytune's config for this case, as TRL's arguments are built in worker_trl (also used by
+    step_profile.py)."""
+    import torch
+
+    cfg = dict(
+        model=args.model, dataset=args.data, output_dir=str(out), max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
+        max_seq_length=args.seq, packing=args.packing, gradient_checkpointing=True,
+        learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, optim=args.optim, seed=42,
+        lora_r=16, lora_alpha=32, lora_dropout=args.lora_dropout, lora_target_modules="all-linear",
+        logging_steps=1, save_steps=args.save_steps or 10**6, save_every_seconds=0,
+        report_to="none", dataset_cache=False,
+    )
+    if torch.cuda.is_available():
+        cfg["bf16"] = True
+    if args.quant == "4bit":
+        cfg.update(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    cfg["adapter_dtype"] = relaytune_adapter_dtype(args)
+    for item in args.relaytune_set or []:  # A/B of relaytune's own settings, e.g. torch_compile=false
+        key, _, value = item.partition("=")
+        cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
+    return cfg
+
+
 def worker_relaytune(args) -> dict:
     import torch
 
@@ -146,24 +172,7 @@ def worker_relaytune(args) -> dict:
             _tr.peak_memory = peak_and_reserved
     except Exception as e:  # noqa: BLE001
         notes.append(f"could not hook relaytune internals ({e!r}); relying on its own peak reset")
-    cfg = dict(
-        model=args.model, dataset=args.data, output_dir=str(out), max_steps=args.warmup + args.steps,
-        per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
-        max_seq_length=args.seq, packing=args.packing, gradient_checkpointing=True,
-        learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, optim=args.optim, seed=42,
-        lora_r=16, lora_alpha=32, lora_dropout=args.lora_dropout, lora_target_modules="all-linear",
-        logging_steps=1, save_steps=args.save_steps or 10**6, save_every_seconds=0,
-        report_to="none", dataset_cache=False,
-    )
-    if cuda:
-        cfg["bf16"] = True
-    if args.quant == "4bit":
-        cfg.update(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
-    cfg["adapter_dtype"] = relaytune_adapter_dtype(args)
-    for item in args.relaytune_set or []:  # A/B of relaytune's own settings, e.g. torch_compile=false
-        key, _, value = item.partition("=")
-        cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
+    cfg = relaytune_config(args, out)
     t0 = time.time()
     error = None
     try:
@@ -448,15 +457,13 @@ def report(args, results: list[dict], notes: list[str], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def case_arguments(p: argparse.ArgumentParser) -> None:
+    """The case: model, quantization, shapes, optimizer, LoRA and relaytune settings (step_profile.py too)."""
     p.add_argument("--arch", default="qwen2.5-3b", choices=sorted(ARCHS))
     p.add_argument("--quant", default="none", choices=["none", "4bit"])
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4, help="micro-batch (per_device_train_batch_size)")
     p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--steps", type=int, default=20, help="timed steps, after --warmup steps")
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--optim", default="adamw_torch", choices=["adamw_torch", "paged_adamw_8bit"])
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--lora-dropout", type=float, default=0.05)
@@ -464,14 +471,21 @@ def main() -> None:
                    help="relaytune's adapter_dtype; match: the dtype TRL gives its adapters in this case")
     p.add_argument("--packing", action="store_true",
                    help="short documents packed to --seq by both systems (TRL: bfd, padding-free)")
+    p.add_argument("--relaytune-set", action="append", metavar="KEY=VALUE",
+                   help="a relaytune config key for its run (repeatable), e.g. torch_compile=false, attention=sdpa")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    case_arguments(p)
+    p.add_argument("--steps", type=int, default=20, help="timed steps, after --warmup steps")
+    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--save-steps", type=int, default=0, help="relaytune checkpoint every N steps (0: none)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--cap-gib", type=float, default=0.0,
                    help="cap each worker at this much GPU memory and search the largest micro-batch that fits")
     p.add_argument("--search", default=",".join(map(str, SEARCH)), help="micro-batches tried under --cap-gib")
     p.add_argument("--out", help="append the Markdown table and the JSON lines to this file")
-    p.add_argument("--relaytune-set", action="append", metavar="KEY=VALUE",
-                   help="a relaytune config key for its run (repeatable), e.g. torch_compile=false, attention=sdpa")
     # worker-only
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -544,10 +558,15 @@ def main() -> None:
         header += ", " + ", ".join(args.relaytune_set)
     text = report(args, results, notes, header)
     text += f"<!-- command: python bench/vs_trl.py {' '.join(sys.argv[1:])} ; total {time.time() - t0:.0f}s -->\n"
+    publish(text, args.out)
+
+
+def publish(text: str, out: str | None) -> None:
+    """Print the report and append it to --out (step_profile.py too)."""
     print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as fh:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as fh:
             fh.write(text + "\n")
 
 

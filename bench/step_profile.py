@@ -1,0 +1,130 @@
+"""Where the time of a relaytune training step goes: torch.profiler over the timed steps of one run.
+
+Short steps run far below the GPU's arithmetic: Qwen2.5-3B QLoRA at seq 512, packed, ran at 12% MFU
+on an H200 and lost 40% of its tokens/s under cProfile (bench/results/vs-trl-h200.md), which says the
+host bounds it, but not where. This runs relaytune in-process with exactly the config of
+bench/vs_trl.py's relaytune worker, profiles the optimizer steps after --warmup, and prints:
+  - the wall seconds of each profiled step (synchronised at the end of each optimizer step);
+  - GPU busy: the summed duration of the GPU's kernels and copies in those steps over their wall
+    time (well below 1, the GPU waits for the host; copies on a side stream overlapping kernels
+    count twice);
+  - the ops with the most self CPU time, and those with the most self GPU time.
+The profiler adds host time of its own, so its steps are slower than vs_trl.py's: read the
+fractions and the rankings, not the tokens/s.
+
+    python bench/step_profile.py --arch qwen2.5-3b --quant 4bit --batch 4 --seq 512 --packing \\
+        --out bench/results/step-profile-h200.md
+    python bench/step_profile.py --arch tiny --seq 128 --steps 2 --warmup 1   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import vs_trl  # noqa: E402  (puts src/ on sys.path; the model, data and config of the comparison)
+from gpu_bench import WORK, build_model  # noqa: E402
+
+ROWS = 15  # ops listed per table
+
+
+class StepClock:
+    """Steps the profiler and times each optimizer step, from the end of one to the end of the next."""
+
+    def __init__(self, prof, cuda: bool):
+        self.prof, self.cuda, self.ends = prof, cuda, []
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+        self.prof.step()
+
+
+def gpu_seconds(prof) -> float | None:
+    """Summed duration of the device-side events (kernels, copies) the profiler recorded."""
+    from torch.autograd import DeviceType
+
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in events) / 1e6 if events else None
+
+
+def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
+    # The profiler records steps warmup+1 .. warmup+steps; step i's wall time is ends[i] - ends[i-1].
+    walls = [b - a for a, b in zip(clock.ends[args.warmup - 1:], clock.ends[args.warmup:])][:args.steps]
+    lines = [f"### relaytune step profile: {args.arch} {'QLoRA' if args.quant == '4bit' else 'LoRA'}, "
+             f"seq {args.seq}, micro-batch {args.batch} x accum {args.accum}{', packed' if args.packing else ''}"
+             f" ({device}, {time.strftime('%Y-%m-%d')})", "",
+             f"- profiled steps: {len(walls)} (after {args.warmup}); wall seconds each: "
+             + ", ".join(f"{w:.3f}" for w in walls)]
+    busy = gpu_seconds(prof) if cuda else None
+    if busy is not None and walls:
+        lines.append(f"- GPU busy: {busy:.3f} s of kernels and copies in {sum(walls):.3f} s of wall time "
+                     f"= {busy / sum(walls):.0%}")
+    averages = prof.key_averages()
+    lines += ["", "Most self CPU time:", "", "```",
+              averages.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=60), "```"]
+    if cuda:
+        lines += ["", "Most self GPU time:", "", "```",
+                  averages.table(sort_by="self_device_time_total", row_limit=ROWS, max_name_column_width=60),
+                  "```"]
+    if args.relaytune_set:
+        lines.append("- relaytune settings: " + ", ".join(args.relaytune_set))
+    lines.append(f"<!-- command: python bench/step_profile.py {' '.join(sys.argv[1:])} -->")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    vs_trl.case_arguments(p)
+    p.add_argument("--steps", type=int, default=4, help="profiled steps, after --warmup steps")
+    p.add_argument("--warmup", type=int, default=3, help="steps before profiling (at least 1: the compile)")
+    p.add_argument("--trace", help="also write the Chrome trace of the profiled steps here")
+    p.add_argument("--out", help="append the report to this file")
+    args = p.parse_args()
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first step compiles)")
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    import relaytune
+
+    cuda = torch.cuda.is_available()
+    if not cuda and args.quant == "4bit":
+        print("# no GPU: --quant 4bit needs one; profiling without quantization", file=sys.stderr)
+        args.quant = "none"
+    if args.arch == "tiny" and args.seq > 1024:
+        args.seq = 128
+    args.model, args.save_steps = str(build_model(args.arch)), 0
+    args.data = str(vs_trl.data_for(args, args.batch))
+    out = WORK / "step_profile" / f"{args.arch}-{args.quant}-s{args.seq}-b{args.batch}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = vs_trl.relaytune_config(args, out)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # Profiler step i is training step i+1: wait out the first warmup-1, warm the profiler up on one.
+    plan = schedule(wait=args.warmup - 1, warmup=1, active=args.steps, repeat=1)
+    with profile(activities=activities, schedule=plan) as prof:
+        clock = StepClock(prof, cuda)
+        handle = register_optimizer_step_post_hook(clock)
+        try:
+            relaytune.train(cfg)
+        finally:
+            handle.remove()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    text = report(args, clock, prof, cuda, torch.cuda.get_device_name(0) if cuda else "cpu")
+    vs_trl.publish(text, args.out)
+
+
+if __name__ == "__main__":
+    main()
