@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vs_trl  # noqa: E402  (puts src/ on sys.path; the model, data and config of the comparison)
 from gpu_bench import WORK, build_model  # noqa: E402
+from vs_trl_workers import relaytune_config  # noqa: E402
 
 ROWS = 15  # ops listed per table
 
@@ -108,7 +109,7 @@ def main() -> None:
     args.data = str(vs_trl.data_for(args, args.batch))
     out = WORK / "step_profile" / f"{args.arch}-{args.quant}-s{args.seq}-b{args.batch}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = vs_trl.relaytune_config(args, out)
+    cfg = relaytune_config(args, out)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # Profiler step i is training step i+1: wait out the first warmup-1, warm the profiler up on one.
