@@ -112,3 +112,17 @@ def test_safe_points_are_the_decoder_layers_even_beside_a_longer_module_list(tin
     assert safe_points(model) == [model, *layers]
     plain = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 3))
     assert safe_points(plain) == [plain, *plain[0]], "no decoder: the longest ModuleList"
+
+
+def test_a_signal_inside_a_write_to_stderr_still_says_so(monkeypatch, capfd):
+    """A signal that lands while the progress bar writes to stderr: the buffered stream refuses the
+    handler's reentrant write (the RuntimeError below, as CPython raises it), and the message once
+    vanished; it must still reach the terminal."""
+    import relaytune.training.stops as stops
+
+    def reentrant(message):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+    monkeypatch.setattr(stops, "warn", reentrant)
+    StopRequest()._handle(signal.SIGTERM, None)
+    assert "relaytune: warning: SIGTERM received: stopping after this step, with a checkpoint" in capfd.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -128,8 +129,13 @@ _installed: StopRequest | None = None  # the request whose handlers are in place
 def _say(message: str) -> None:
     try:
         warn(message)
-    except RuntimeError:  # a signal that landed inside a write to the same stream: never crash for a message
-        pass
+    except RuntimeError:
+        # The signal landed inside a write to stderr (the progress bar's, say), and the buffered stream
+        # refuses a reentrant write: the message goes to the file descriptor itself, never a crash.
+        try:
+            os.write(sys.stderr.fileno(), f"\nrelaytune: warning: {message}\n".encode())
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 @dataclass(frozen=True)
