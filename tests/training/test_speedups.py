@@ -44,14 +44,17 @@ def _model(cfg: TrainConfig):
     return model
 
 
-def _packed_batch(vocab: int, segments=((7, 12, 5), (20, 4), (9,))) -> dict:
+def _packed_rows(vocab: int, segments) -> list[TokenRow]:
     rng = np.random.default_rng(3)
     rows = []
     for lengths in segments:
-        pieces = [(rng.integers(10, vocab, n), rng.integers(10, vocab, n)) for n in lengths]
-        ids, labels, segments = concat(pieces)
-        rows.append(TokenRow(ids, labels, segments))
-    return collate(rows, pad_id=0)
+        ids, labels, segs = concat([(rng.integers(10, vocab, n), rng.integers(10, vocab, n)) for n in lengths])
+        rows.append(TokenRow(ids, labels, segs))
+    return rows
+
+
+def _packed_batch(vocab: int, segments=((7, 12, 5), (20, 4), (9,))) -> dict:
+    return collate(_packed_rows(vocab, segments), pad_id=0)
 
 
 def test_defaults_leave_a_cpu_model_untouched(tiny_model, tmp_path, one_thread):
@@ -189,15 +192,6 @@ def test_compiled_layers_match_eager(tiny_model, tmp_path, one_thread):
     for (l1, g1), (l2, g2) in zip(eager, compiled):
         assert l2 == pytest.approx(l1, rel=COMPILE_RTOL)
         assert g2 == pytest.approx(g1, rel=COMPILE_RTOL)
-
-
-def _packed_rows(vocab: int, segments) -> list[TokenRow]:
-    rng = np.random.default_rng(3)
-    rows = []
-    for lengths in segments:
-        ids, labels, segs = concat([(rng.integers(10, vocab, n), rng.integers(10, vocab, n)) for n in lengths])
-        rows.append(TokenRow(ids, labels, segs))
-    return rows
 
 
 def test_compiled_layers_get_packed_batches_of_one_width(tiny_model, tmp_path, one_thread):
