@@ -50,10 +50,14 @@ class StepClock:
 
 
 def gpu_seconds(prof) -> float | None:
-    """Summed duration of the device-side events (kernels, copies) the profiler recorded."""
+    """Summed duration of the device-side events (kernels, copies) the profiler recorded; the GPU-side
+    spans of annotations (ProfilerStep#n covers whole steps) are not work and are left out."""
     from torch.autograd import DeviceType
 
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    def is_work(e) -> bool:
+        return not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")
+
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and is_work(e)]
     return sum(e.time_range.elapsed_us() for e in events) / 1e6 if events else None
 
 
@@ -78,6 +82,7 @@ def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
                   "```"]
     if args.relaytune_set:
         lines.append("- relaytune settings: " + ", ".join(args.relaytune_set))
+    lines.append(f"- versions: {vs_trl.stack_versions()}")
     lines.append(f"<!-- command: python bench/step_profile.py {' '.join(sys.argv[1:])} -->")
     return "\n".join(lines) + "\n"
 

@@ -302,9 +302,23 @@ def main() -> None:
     header += f"; relaytune adapter_dtype {relaytune_adapter_dtype(args)}"
     if args.relaytune_set:
         header += ", " + ", ".join(args.relaytune_set)
-    text = report(args, results, notes, header)
+    text = report(args, results, notes, header) + f"- versions: {stack_versions()}\n"
     text += f"<!-- command: python bench/vs_trl.py {' '.join(sys.argv[1:])} ; total {time.time() - t0:.0f}s -->\n"
     publish(text, args.out)
+
+
+def stack_versions() -> str:
+    """The versions the figures depend on (transformers 5.2x moved gradient checkpointing into the
+    layer's forward, which once changed relaytune's peak memory fourfold)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "trl", "liger-kernel"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(found)
 
 
 def publish(text: str, out: str | None) -> None:

@@ -20,6 +20,7 @@ import torch
 from relaytune import builtin
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
+from relaytune.layers import take_over_checkpointing
 from relaytune.log import notice
 
 # peft's PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` property (our
@@ -208,6 +209,7 @@ def enable_checkpointing(model, offload: bool = False) -> None:
             checkpoint = getattr(module, "_gradient_checkpointing_func", None)
             if checkpoint is not None:
                 module._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, checkpoint)
+    take_over_checkpointing(base)  # outside the compiled region of a compiled layer
 
 
 def offloaded_checkpoint(checkpoint, function, *args, **kwargs):

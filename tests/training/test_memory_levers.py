@@ -24,10 +24,10 @@ import relaytune.model
 from relaytune.config.loader import load_config
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
+from relaytune.layers import decoder_layers
 from relaytune.model import Precision, check_trainable, choose_precision, load_model
 from relaytune.plan.architectures import from_table
 from relaytune.plan.memory import Settings, estimate_memory
-from relaytune.training import speedups
 from relaytune.training.loss import causal_lm_loss
 from relaytune.training.preflight import Report, check_offload, predicted_checkpoint_bytes
 from relaytune.training.recovery import prefer_expandable_segments
@@ -71,7 +71,7 @@ def test_offload_hands_exactly_the_layer_inputs_to_the_host_and_keeps_the_maths(
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results[offload] = (loss.detach(), grads, list(packed))
-    layers = len(speedups.decoder_layers(model))
+    layers = len(decoder_layers(model))
     hidden = model.config.hidden_size
     assert results[False][2] == []
     assert results[True][2] == [(BATCH, SEQ, hidden)] * layers

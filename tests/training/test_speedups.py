@@ -21,6 +21,7 @@ from relaytune.config.schema import TrainConfig
 from relaytune.data.batches import collate, document_ids
 from relaytune.data.packing import check_isolation, concat
 from relaytune.data.rows import TokenRow
+from relaytune.layers import decoder_layers, is_compiled
 from relaytune.model import choose_precision, load_model
 from relaytune.training import mfu, speedups
 from relaytune.training.loss import causal_lm_loss
@@ -60,7 +61,7 @@ def _packed_batch(vocab: int, segments=((7, 12, 5), (20, 4), (9,))) -> dict:
 def test_defaults_leave_a_cpu_model_untouched(tiny_model, tmp_path, one_thread):
     model = _model(_cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True))
     assert model.relaytune_speedups == []
-    assert all(layer._compiled_call_impl is None for layer in speedups.decoder_layers(model))
+    assert not any(is_compiled(layer) for layer in decoder_layers(model))
     assert model.get_base_model().config._attn_implementation == "sdpa"
     assert speedups.compile_decision("auto", torch.device("cpu")) == (False, None)
     assert speedups.flex_decision("auto", True, torch.device("cpu")) == (False, None)
@@ -97,13 +98,13 @@ def test_flex_blockers():
 
 
 def test_a_failing_speedup_never_stops_the_run(tiny_model, tmp_path, monkeypatch, one_thread):
-    def boom(self, *a, **k):
+    def boom(*a, **k):
         raise RuntimeError("no compiler today")
 
-    monkeypatch.setattr(torch.nn.Module, "compile", boom)
+    monkeypatch.setattr(torch, "compile", boom)
     model = _model(_cfg(tiny_model, tmp_path, torch_compile=True))
     assert model.relaytune_speedups == []
-    assert all(layer._compiled_call_impl is None for layer in speedups.decoder_layers(model))
+    assert not any(is_compiled(layer) for layer in decoder_layers(model))
 
 
 def test_document_ids_follow_position_restarts():
@@ -169,7 +170,7 @@ def test_compiled_layers_match_eager(tiny_model, tmp_path, one_thread):
     """torch_compile: true on the CPU: 3 AdamW steps with gradient checkpointing, packed rows."""
     def trajectory(setting):
         model = _model(_cfg(tiny_model, tmp_path, gradient_checkpointing=True, torch_compile=setting))
-        compiled = [layer._compiled_call_impl is not None for layer in speedups.decoder_layers(model)]
+        compiled = [is_compiled(layer) for layer in decoder_layers(model)]
         model.train()  # as the trainer's loop does (dropout is 0)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-2)
@@ -235,10 +236,31 @@ def test_packed_steps_of_other_lengths_do_not_recompile(tiny_model, tmp_path, on
     assert speedups.compile_stats() == before, "a second length compiled the layer again"
 
 
+def test_a_warm_up_timer_left_before_its_first_step_stays_silent(tiny_model, tmp_path, one_thread, capsys):
+    """A run stopped before its first optimizer step (in a notebook, say) leaves its timer's hook in the
+    process; the next run's steps neither print its figure nor break the optimizer's hook loop."""
+    def model_and_optimizer():
+        model = _model(_cfg(tiny_model, tmp_path))
+        model.train()
+        timer = speedups.WarmUpTimer.install(model)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3), timer
+
+    batch = _packed_batch(64)
+    left, _, left_timer = model_and_optimizer()
+    causal_lm_loss(left, batch, 10)  # its forward starts its clock; its step never comes
+    model, optimizer, timer = model_and_optimizer()
+    for _ in range(2):
+        causal_lm_loss(model, batch, 10).backward()
+        optimizer.step()
+    assert timer.seconds is not None and left_timer.seconds is None
+    assert capsys.readouterr().err.count("torch.compile warm-up") == 1
+    assert timer.handles == [], "its hooks went at the next forward, after the step"
+
+
 def test_isolation_check_compiles_nothing(tiny_model, tmp_path, one_thread):
     """Its tiny inference rows once made Inductor fail on a GPU and leave flex unfused for the run."""
     model = _model(_cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True))
-    assert all(layer._compiled_call_impl is not None for layer in speedups.decoder_layers(model))
+    assert all(is_compiled(layer) for layer in decoder_layers(model))
     before = speedups.compile_stats()
     assert check_isolation(model) is None
     assert speedups.compile_stats() == before

@@ -103,7 +103,7 @@ def shard(model, world) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from relaytune.training.speedups import decoder_layers
+    from relaytune.layers import decoder_layers
 
     device = world.device()
     mesh = init_device_mesh(device.type, (world.size,))

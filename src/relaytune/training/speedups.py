@@ -4,9 +4,10 @@
 applied, in words. Both levers keep the maths (equal to eager SDPA within rounding) and both fail
 safe: whatever cannot run here is left off with a notice, never a crash.
 
-- torch_compile: every decoder layer gets `layer.compile()` (regional compilation, as torchtune and
-  the PyTorch recipe do), after PEFT wrapping and inside gradient checkpointing. Layers of one
-  model share one graph, so warm-up is one layer's compile (printed after the first step).
+- torch_compile: every decoder layer's forward is compiled (regional compilation, as torchtune and
+  the PyTorch recipe do), after PEFT wrapping and inside gradient checkpointing (relaytune.layers
+  keeps the checkpoint outside the compiled region). Layers of one model share one graph, so
+  warm-up is one layer's compile (printed after the first step).
   Recompilations are bounded (RECOMPILE_LIMIT) and logged; a compile error runs that code eagerly
   (`torch._dynamo.config.suppress_errors`).
 - attention (packed batches; auto: on Hopper-class GPUs, see flex_decision): the model's attention
@@ -25,9 +26,11 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import weakref
 
 import torch
 
+from relaytune.layers import compile_layers, decoder_layers, is_compiled, uncompile_layers
 from relaytune.log import info, notice, warn
 
 RECOMPILE_LIMIT = 16  # graphs per compiled code object: train/eval x a few shapes; beyond it, eager
@@ -80,14 +83,6 @@ def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The repeated decoder blocks (model.get_base_model().model.layers for HF causal LMs)."""
-    base = _base(model)
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
-    layers = getattr(decoder, "layers", None)
-    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
-
-
 # --- regional compilation --------------------------------------------------------------------
 def compile_decision(setting, device) -> tuple[bool, str | None]:
     """(compile?, why not, when the user asked for it or should know)."""
@@ -123,11 +118,9 @@ def _apply_compile(model, cfg, precision) -> list[str]:
     configure_dynamo()
     WarmUpTimer.install(model)
     try:
-        for layer in layers:
-            layer.compile()
+        compile_layers(layers)
     except Exception:
-        for layer in layers:  # all or none
-            layer._compiled_call_impl = None
+        uncompile_layers(layers)  # all or none
         raise
     return [f"torch.compile on each of {len(layers)} decoder layers"]
 
@@ -144,7 +137,7 @@ def batch_width(model, cfg) -> int | None:
     Padded (unpacked) batches keep their own width: their rows are often much shorter."""
     if not getattr(cfg, "packing", False):
         return None
-    compiled = [getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)]
+    compiled = [is_compiled(layer) for layer in decoder_layers(model)]
     flex = getattr(_base(model).config, "_attn_implementation", None) == ATTENTION_NAME
     return int(cfg.max_seq_length) if (compiled and all(compiled)) or flex else None
 
@@ -177,16 +170,20 @@ def compile_stats() -> dict:
 
 class WarmUpTimer:
     """Prints, once, how long the first training step took (the compile warm-up): from the first
-    forward in training mode with gradients to the end of the first optimizer step."""
+    forward in training mode with gradients to the end of the first optimizer step of this model's
+    parameters (the optimizer hook is process-wide: a timer left by an earlier run in the same
+    process, stopped before its first step, stays silent)."""
 
-    def __init__(self):
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+        self.params = {id(p) for p in model.parameters() if p.requires_grad}
         self.t0: float | None = None
         self.handles: list = []
         self.seconds: float | None = None
 
     @classmethod
     def install(cls, model) -> WarmUpTimer:
-        timer = cls()
+        timer = cls(model)
         base = _base(model)  # the decoder runs in every path (the chunked loss calls it directly)
         decoder = base.get_decoder() if hasattr(base, "get_decoder") else model
         timer.handles.append(decoder.register_forward_pre_hook(timer._forward))
@@ -197,11 +194,19 @@ class WarmUpTimer:
         return timer
 
     def _forward(self, module, args):
-        if self.t0 is None and module.training and torch.is_grad_enabled():
+        if self.seconds is not None:
+            # Removed here, not in _stepped: removing a hook while the optimizer iterates over the
+            # process's hooks breaks that iteration when another hook follows it.
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+        elif self.t0 is None and module.training and torch.is_grad_enabled():
             self.t0 = time.perf_counter()
 
     def _stepped(self, optimizer, args, kwargs):
-        if self.t0 is None or self.seconds is not None:
+        if self.t0 is None or self.seconds is not None or self.model() is None:
+            return
+        if not any(id(p) in self.params for group in optimizer.param_groups for p in group["params"]):
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -209,9 +214,6 @@ class WarmUpTimer:
         stats = compile_stats()
         info(f"torch.compile warm-up: the first step took {self.seconds:.1f}s "
              f"({stats.get('graphs', '?')} graphs compiled)")
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
 
 
 # --- document-masked attention -----------------------------------------------------------------

@@ -169,7 +169,7 @@ def safe_points(model) -> list:
     within one layer's time."""
     import torch
 
-    from relaytune.training.speedups import decoder_layers
+    from relaytune.layers import decoder_layers
 
     layers = decoder_layers(model)
     if not layers:
