@@ -23,14 +23,14 @@ from relaytune.plan.advice import (
 from relaytune.plan.architectures import Architecture, known_ids
 from relaytune.plan.gpus import Gpu, parse_gpu
 from relaytune.plan.memory import GIB, MemoryEstimate, Settings, estimate_memory
-from relaytune.plan.planner import Plan, make_plan, settings_from_config
+from relaytune.plan.planner import Plan, checkpoint_bytes, make_plan, settings_from_config
 from relaytune.plan.report import format_plan
 from relaytune.plan.sources import from_config_dict, resolve_architecture
 from relaytune.plan.throughput import estimate_eta, estimate_throughput
 
 __all__ = [
     "FITS", "GIB", "NO_FIT", "TIGHT", "Architecture", "Change", "CheckpointingOff", "Gpu", "MemoryEstimate", "Plan",
-    "Settings", "changes_when_nothing_fits", "checkpointing_off", "choose_auto", "estimate_eta", "estimate_memory",
-    "estimate_throughput", "fit_status", "format_plan", "from_config_dict", "known_ids", "largest_micro_batch",
-    "make_plan", "parse_gpu", "resolve_architecture", "settings_from_config",
+    "Settings", "changes_when_nothing_fits", "checkpoint_bytes", "checkpointing_off", "choose_auto", "estimate_eta",
+    "estimate_memory", "estimate_throughput", "fit_status", "format_plan", "from_config_dict", "known_ids",
+    "largest_micro_batch", "make_plan", "parse_gpu", "resolve_architecture", "settings_from_config",
 ]

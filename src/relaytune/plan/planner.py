@@ -137,10 +137,16 @@ def checkpoint_disk(arch: Architecture, settings: Settings, save_total_limit: in
     """
     sizes = lora_tensor_sizes(arch, settings)
     adapter = settings.adapter_bytes * sum(sizes)
-    optimizer = 0 if settings.save_only_model else sum(optimizer_bytes(sizes, settings.optim, settings.adapter_bytes))
-    per_checkpoint = adapter + optimizer + CHECKPOINT_EXTRA
+    per_checkpoint = checkpoint_bytes(sizes, settings.optim, settings.adapter_bytes, settings.save_only_model)
     kept = (save_total_limit or UNLIMITED_KEEP) + 1
     return per_checkpoint, kept, kept * per_checkpoint + adapter + CHECKPOINT_EXTRA
+
+
+def checkpoint_bytes(sizes: list[int], optim: str, adapter_bytes: int, save_only_model: bool) -> int:
+    """One checkpoint on disk, for adapter tensors of these sizes: the adapter (adapter_bytes per value),
+    the whole optimizer state unless save_only_model (paged or not, it is all saved), and the JSON."""
+    optimizer = 0 if save_only_model else sum(optimizer_bytes(sizes, optim, adapter_bytes))
+    return adapter_bytes * sum(sizes) + optimizer + CHECKPOINT_EXTRA
 
 
 def run_tokens(cfg, global_batch: int, rows: int | None, mean_tokens: float | None):

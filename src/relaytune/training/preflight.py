@@ -16,6 +16,7 @@ from relaytune.config.schema import TrainConfig
 from relaytune.distributed.world import local_size
 from relaytune.errors import UserError
 from relaytune.log import info, warn
+from relaytune.plan import checkpoint_bytes
 
 GIB = 1024 ** 3
 HOST_SHARE = 0.8  # of the host's available memory that offloaded activations may pin (the rest: data, Python)
@@ -82,17 +83,10 @@ def check_built(report: Report, model, cfg: TrainConfig, auto, precision, output
 
 
 def predicted_checkpoint_bytes(model, cfg: TrainConfig) -> int:
-    """One checkpoint: the adapter (in adapter_dtype), the optimizer's two moments, a little JSON and RNG."""
+    """One checkpoint of this model's trainable tensors, by the planner's arithmetic (plan.checkpoint_bytes)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    trainable = sum(p.numel() for p in params)
-    adapter = sum(p.numel() * p.element_size() for p in params)
-    if cfg.save_only_model:
-        moments = 0
-    elif cfg.optim == "adamw_torch":
-        moments = 2 * adapter  # in the parameters' dtype
-    else:  # 8-bit moments plus one fp32 absmax per block of 256
-        moments = trainable * 2 + trainable // 256 * 8
-    return adapter + moments + 64 * 1024
+    adapter_bytes = params[0].element_size() if params else 4
+    return checkpoint_bytes([p.numel() for p in params], cfg.optim, adapter_bytes, cfg.save_only_model)
 
 
 def check_offload(report: Report, model, cfg: TrainConfig, micro_batch: int, gradient_checkpointing: bool,
