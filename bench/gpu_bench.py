@@ -48,6 +48,19 @@ COMPILE = {"auto": "auto", "true": True, "false": False}
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/relaytune-bench"))
 
 
+def package_versions(names=("torch", "transformers", "peft", "bitsandbytes", "trl", "liger-kernel")) -> dict:
+    """The installed version of each package the figures depend on; None where it is absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def build_model(arch: str) -> Path:
     """Random-init weights of the architecture, saved as safetensors, with a local tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM

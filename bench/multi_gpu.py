@@ -55,7 +55,7 @@ SRC = HERE.parent / "src"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(SRC))
 import gpu_bench  # noqa: E402
-from gpu_bench import WORK, build_model, long_text_data, pattern_data  # noqa: E402
+from gpu_bench import WORK, build_model, long_text_data, package_versions, pattern_data  # noqa: E402
 from multi_gpu_sessions import (  # noqa: E402
     adapter_diff,
     child,
@@ -292,14 +292,9 @@ def t4(args) -> dict:
 def versions() -> dict:
     import torch
 
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda() else "cpu"}
-    for name in ("transformers", "peft", "bitsandbytes", "relaytune"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - absent or without a version
-            out[name] = None
-    return out
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda() else "cpu"
+    return {"python": platform.python_version(), "gpus": gpus,
+            **package_versions(("torch", "transformers", "peft", "bitsandbytes", "relaytune"))}
 
 
 def summary_line(r: dict) -> str:

@@ -49,7 +49,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import gpu_bench  # noqa: E402  (puts src/ on sys.path and imports relaytune)
-from gpu_bench import ARCHS, WORK, build_model, long_text_data  # noqa: E402
+from gpu_bench import ARCHS, WORK, build_model, long_text_data, package_versions  # noqa: E402
 from vs_trl_workers import RESULT, relaytune_adapter_dtype, worker  # noqa: E402
 
 # Extra sizes for quick checks, local to this script (gpu_bench.ARCHS is the same dict object,
@@ -310,15 +310,7 @@ def main() -> None:
 def stack_versions() -> str:
     """The versions the figures depend on (transformers 5.2x moved gradient checkpointing into the
     layer's forward, which once changed relaytune's peak memory fourfold)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = []
-    for name in ("torch", "transformers", "peft", "bitsandbytes", "trl", "liger-kernel"):
-        try:
-            found.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            pass
-    return ", ".join(found)
+    return ", ".join(f"{name} {v}" for name, v in package_versions().items() if v)
 
 
 def publish(text: str, out: str | None) -> None:

@@ -53,17 +53,14 @@ def layer_forward(layer: torch.nn.Module) -> LayerForward:
     return current
 
 
-def take_over_checkpointing(model) -> int:
+def take_over_checkpointing(model) -> None:
     """Moves transformers' gradient checkpointing of each decoder layer out of the layer's forward
-    and into its LayerForward; the number of layers taken. Call after transformers enabled it."""
-    taken = 0
+    and into its LayerForward. Call after transformers enabled it."""
     for layer in decoder_layers(model):
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and checkpoint is not None:
             layer_forward(layer).checkpoint = checkpoint
             layer.gradient_checkpointing = False  # transformers' own check: it no longer checkpoints
-            taken += 1
-    return taken
 
 
 def compile_layers(layers: list[torch.nn.Module]) -> None:

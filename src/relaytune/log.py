@@ -1,6 +1,7 @@
 """Human-facing messages. Everything goes to stderr so stdout stays clean for tools."""
 
 import logging
+import os
 import sys
 
 from tqdm.auto import tqdm
@@ -16,6 +17,15 @@ def notice(message: str) -> None:
 
 def warn(message: str) -> None:
     tqdm.write(f"relaytune: warning: {message}", file=sys.stderr)
+
+
+def warn_unbuffered(message: str) -> None:
+    """warn() straight to stderr's file descriptor, for a signal handler that interrupted a write to the
+    buffered stream (which refuses the reentrant write); a message that cannot be written is dropped."""
+    try:
+        os.write(sys.stderr.fileno(), f"\nrelaytune: warning: {message}\n".encode())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 class _DropMessage(logging.Filter):

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
-from relaytune.log import warn
+from relaytune.log import warn, warn_unbuffered
 
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP") if hasattr(signal, n))
 
@@ -132,10 +131,7 @@ def _say(message: str) -> None:
     except RuntimeError:
         # The signal landed inside a write to stderr (the progress bar's, say), and the buffered stream
         # refuses a reentrant write: the message goes to the file descriptor itself, never a crash.
-        try:
-            os.write(sys.stderr.fileno(), f"\nrelaytune: warning: {message}\n".encode())
-        except (OSError, ValueError, AttributeError):
-            pass
+        warn_unbuffered(message)
 
 
 @dataclass(frozen=True)
