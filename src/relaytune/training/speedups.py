@@ -7,7 +7,8 @@ safe: whatever cannot run here is left off with a notice, never a crash.
 - torch_compile: every decoder layer's forward is compiled (regional compilation, as torchtune and
   the PyTorch recipe do), after PEFT wrapping and inside gradient checkpointing (relaytune.layers
   keeps the checkpoint outside the compiled region). Layers of one model share one graph, so
-  warm-up is one layer's compile (printed after the first step).
+  warm-up is one layer's compile (printed after the first step). bitsandbytes' 4-bit linear layers
+  in them run as torch ops when compiled (relaytune.linear4bit), so Inductor fuses dequantization.
   Recompilations are bounded (RECOMPILE_LIMIT) and logged; a compile error runs that code eagerly
   (`torch._dynamo.config.suppress_errors`).
 - attention (packed batches; auto: on Hopper-class GPUs, see flex_decision): the model's attention
@@ -31,6 +32,7 @@ import weakref
 import torch
 
 from relaytune.layers import compile_layers, decoder_layers, is_compiled, uncompile_layers
+from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears
 from relaytune.log import info, notice, warn
 
 RECOMPILE_LIMIT = 16  # graphs per compiled code object: train/eval x a few shapes; beyond it, eager
@@ -119,10 +121,13 @@ def _apply_compile(model, cfg, precision) -> list[str]:
     WarmUpTimer.install(model)
     try:
         compile_layers(layers)
+        fused = fuse_4bit_linears(layers, precision.autocast)
     except Exception:
         uncompile_layers(layers)  # all or none
+        unfuse_4bit_linears(layers)
         raise
-    return [f"torch.compile on each of {len(layers)} decoder layers"]
+    return [f"torch.compile on each of {len(layers)} decoder layers"
+            + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "")]
 
 
 def batch_width(model, cfg) -> int | None:

@@ -1,0 +1,122 @@
+"""bitsandbytes' 4-bit linear layers as torch ops inside compiled layers (relaytune/linear4bit.py): the
+same weights bit for bit as bitsandbytes' dequantization, bitsandbytes' own forward outside a compiled
+region, and, compiled, no bitsandbytes op in the graph and no dequantized weight kept for backward."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from relaytune.linear4bit import (  # noqa: E402
+    code_table,
+    dequantize,
+    fusable,
+    fuse_4bit_linears,
+    unfuse_4bit_linears,
+)
+
+BF16 = torch.bfloat16
+
+
+def _linear4bit(rows=96, cols=128, bias=True, quant_type="nf4", nested=True, compute=BF16, seed=0):
+    torch.manual_seed(seed)
+    plain = torch.nn.Linear(cols, rows, bias=bias, dtype=BF16)
+    layer = bnb.nn.Linear4bit(cols, rows, bias=bias, compute_dtype=compute, quant_type=quant_type,
+                              compress_statistics=nested)
+    layer.weight = bnb.nn.Params4bit(plain.weight.data.clone(), requires_grad=False,
+                                     quant_type=quant_type, compress_statistics=nested)
+    if bias:
+        layer.bias = torch.nn.Parameter(plain.bias.data.clone(), requires_grad=False)
+    return layer.to("cpu")  # quantizes
+
+
+class Block(torch.nn.Module):
+    """A 4-bit projection between trainable layers, as in a QLoRA decoder layer."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.proj = _linear4bit(**kw)
+        self.head = torch.nn.Linear(self.proj.out_features, 8, dtype=BF16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.proj(x)))
+
+
+def _input(cols=128, seed=1):
+    return torch.randn(2, 5, cols, dtype=BF16, generator=torch.Generator().manual_seed(seed),
+                       requires_grad=True)
+
+
+def _run(module, x):
+    out = module(x)
+    out.float().square().sum().backward()
+    grads = (x.grad.clone(), module.head.weight.grad.clone())
+    x.grad = None
+    module.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("shape", [(96, 128), (320, 192)])  # 192 blocks; 960: a partial nested block
+def test_dequantize_is_bitsandbytes_bit_for_bit(quant_type, nested, shape):
+    layer = _linear4bit(*shape, quant_type=quant_type, nested=nested)
+    state = layer.weight.quant_state
+    expected = bnb.functional.dequantize_4bit(layer.weight, state)
+    inner = (state.state2.code, state.state2.absmax, state.offset) if nested else None
+    table = code_table(quant_type, torch.device("cpu"))
+    got = dequantize(layer.weight, state.absmax, table, state.blocksize, tuple(state.shape), BF16, inner)
+    assert got.shape == expected.shape == shape and got.dtype == BF16
+    assert torch.equal(got, expected)
+    assert torch.equal(table, state.code.float()), "the table is the code bitsandbytes stores"
+
+
+def test_outside_a_compiled_region_the_fused_layer_is_bitsandbytes(one_thread):
+    block, x = Block(), _input()
+    before = _run(block, x)
+    assert fuse_4bit_linears([block], BF16) == 1
+    assert type(block.proj).__name__ == "FusedLinear4bit" and isinstance(block.proj, bnb.nn.Linear4bit)
+    after = _run(block, x)
+    assert torch.equal(after[0], before[0]) and all(map(torch.equal, after[1], before[1]))
+    assert fuse_4bit_linears([block], BF16) == 0, "already fused"
+    unfuse_4bit_linears([block])
+    assert type(block.proj) is bnb.nn.Linear4bit and not hasattr(block.proj, "relaytune_code_table")
+
+
+def test_only_plain_uint8_weights_in_the_autocast_dtype_are_fused():
+    assert fusable(_linear4bit(), BF16) and fusable(_linear4bit(), None)
+    assert not fusable(_linear4bit(compute=torch.float32), BF16), "autocast would change its matmul's dtype"
+    assert not fusable(torch.nn.Linear(4, 4), BF16)
+    float_storage = bnb.nn.Linear4bit(128, 96, compute_dtype=BF16, quant_storage=BF16)
+    float_storage.weight = bnb.nn.Params4bit(torch.randn(96, 128, dtype=BF16), requires_grad=False,
+                                             quant_storage=BF16)
+    assert not fusable(float_storage.to("cpu"), BF16), "sharded (FSDP) 4-bit weights keep bitsandbytes"
+
+
+@pytest.mark.slow
+def test_compiled_the_graph_has_no_bitsandbytes_op_and_keeps_no_dequantized_weight(one_thread):
+    from torch._inductor.utils import run_and_get_code
+
+    block, x = Block(rows=96, cols=128), _input()
+    expected = _run(block, x)
+    fuse_4bit_linears([block], BF16)
+    compiled = torch.compile(block)
+    kept: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def step():
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: (kept.append((tuple(t.shape), t.dtype)), t)[1], lambda t: t):
+            return _run(compiled, x)
+
+    got, code = run_and_get_code(step)
+    assert torch.equal(got[0], expected[0]) and all(map(torch.equal, got[1], expected[1]))
+    source = "\n".join(code)
+    assert "bitsandbytes" not in source
+    kernels = set(re.findall(r"cpp_fused_\w+", source))
+    assert len([k for k in kernels if "bitwise_and" in k]) == 2, f"one dequantization each way: {kernels}"
+    assert ((96, 128), BF16) not in kept, f"the dequantized weight was kept for backward: {kept}"
+    assert ((6144, 1), torch.uint8) in kept, "backward dequantizes the packed weight again"
