@@ -179,7 +179,8 @@ class TrainConfig(BaseModel):
     torch_compile: bool | Literal["auto"] = "auto"
     """Compile each decoder layer with torch.compile (regional compilation; gradient checkpointing
     kept). auto: on for CUDA GPUs of compute capability 7.0+ with torch 2.6+, off on the CPU (so CPU
-    runs stay bit for bit reproducible). The first step takes longer (the warm-up is printed); a
+    runs stay bit for bit reproducible). 4-bit (QLoRA) layers then dequantize in generated kernels,
+    to bitsandbytes' values bit for bit. The first step takes longer (the warm-up is printed); a
     compile error falls back to eager with a warning. Results equal eager within rounding, not bit
     for bit, so changing this on resume is allowed."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
