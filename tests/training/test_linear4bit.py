@@ -22,7 +22,8 @@ from relaytune.linear4bit import (  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def _linear4bit(rows=96, cols=128, bias=True, quant_type="nf4", nested=True, compute=BF16, seed=0):
+def _linear4bit(rows=96, cols=128, bias=True, quant_type="nf4", nested=True, compute=BF16, seed=0,
+                device="cpu"):
     torch.manual_seed(seed)
     plain = torch.nn.Linear(cols, rows, bias=bias, dtype=BF16)
     layer = bnb.nn.Linear4bit(cols, rows, bias=bias, compute_dtype=compute, quant_type=quant_type,
@@ -31,25 +32,25 @@ def _linear4bit(rows=96, cols=128, bias=True, quant_type="nf4", nested=True, com
                                      quant_type=quant_type, compress_statistics=nested)
     if bias:
         layer.bias = torch.nn.Parameter(plain.bias.data.clone(), requires_grad=False)
-    return layer.to("cpu")  # quantizes
+    return layer.to(device)  # quantizes
 
 
 class Block(torch.nn.Module):
     """Two 4-bit projections of one input between trainable layers, as a QLoRA decoder layer's MLP."""
 
-    def __init__(self, **kw):
+    def __init__(self, device="cpu", **kw):
         super().__init__()
-        self.proj = _linear4bit(**kw)
-        self.gate = _linear4bit(**kw, seed=2)
-        self.head = torch.nn.Linear(self.proj.out_features, 8, dtype=BF16)
+        self.proj = _linear4bit(**kw, device=device)
+        self.gate = _linear4bit(**kw, seed=2, device=device)
+        self.head = torch.nn.Linear(self.proj.out_features, 8, dtype=BF16, device=device)
 
     def forward(self, x):
         return self.head(torch.relu(self.proj(x)) * self.gate(x))
 
 
-def _input(cols=128, seed=1):
-    return torch.randn(2, 5, cols, dtype=BF16, generator=torch.Generator().manual_seed(seed),
-                       requires_grad=True)
+def _input(cols=128, seed=1, device="cpu"):
+    x = torch.randn(2, 5, cols, dtype=BF16, generator=torch.Generator().manual_seed(seed))
+    return x.to(device).requires_grad_()
 
 
 def _run(module, x):
@@ -124,3 +125,25 @@ def test_compiled_the_graph_has_no_bitsandbytes_op_and_keeps_no_dequantized_weig
     assert len(calls) == 4, f"one kernel per weight, forward and backward: {calls}"
     assert ((96, 128), BF16) not in kept, f"the dequantized weight was kept for backward: {kept}"
     assert ((6144, 1), torch.uint8) in kept, "backward dequantizes the packed weight again"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes' CUDA kernels")
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_on_cuda_compiled_dequantization_and_forward_are_bitsandbytes(quant_type):
+    """Inductor's generated kernel against bitsandbytes' CUDA kernel (not its CPU code), and a compiled
+    block against bitsandbytes' eager forward. The same comparisons ran on an H200 as a script
+    (bench/results/vs-trl-h200.md, sixth session); this test has not run on a GPU yet."""
+    layer = _linear4bit(256, 2048, quant_type=quant_type, device="cuda")
+    state = layer.weight.quant_state
+    inner = (state.state2.code, state.state2.absmax, state.offset)
+    table = code_table(quant_type, layer.weight.device)
+    got = torch.compile(dequantize)(layer.weight, state.absmax, table, state.blocksize,
+                                    tuple(state.shape), BF16, inner)
+    assert torch.equal(got, bnb.functional.dequantize_4bit(layer.weight, state))
+
+    block, x = Block(rows=256, cols=2048, quant_type=quant_type, device="cuda"), _input(2048, device="cuda")
+    expected = _run(block, x)
+    fuse_4bit_linears([block], BF16)
+    got = _run(torch.compile(block), x)
+    torch.testing.assert_close(got[0], expected[0])  # bf16's default tolerance: Inductor's own fusions
+    torch.testing.assert_close(got[1][0], expected[1][0], rtol=0.02, atol=2e-3)
