@@ -71,7 +71,10 @@ def _fused_class(bnb_class: type) -> type:
         """bitsandbytes' Linear4bit whose forward, when compiled, is linear_4bit (torch ops)."""
 
         def forward(self, x):
-            if not torch.compiler.is_compiling():
+            # On CPUs with AVX512-BF16, bitsandbytes' eval forward repacks the weight in place into a
+            # layout that dequantize does not read.
+            repacked = getattr(self.weight.quant_state, "packing_format_for_cpu", False)
+            if not torch.compiler.is_compiling() or repacked:
                 return super().forward(x)
             bias = None if self.bias is None else self.bias.to(self.compute_dtype)
             out = linear_4bit(x.to(self.compute_dtype), self.weight, bias, self.relaytune_code_table)
