@@ -3,10 +3,11 @@
 bitsandbytes runs a 4-bit matmul as an opaque custom op: past 1,536 rows (every training micro-batch
 of a few sequences) it dequantizes the nested absmax, adds its offset, dequantizes the weight and
 calls `linear`, each step a Python call through the dispatcher. In a compiled layer Inductor can only
-call that op as it is: on an H200 it took ~256 us of host time per call under the profiler, 504 calls
-per step of Qwen2.5-3B QLoRA, and short steps waited on the host (bench/results/vs-trl-h200.md). Written as torch
-ops, the whole dequantization is one generated kernel feeding the matmul, and backward dequantizes
-again instead of keeping the dequantized weight, as bitsandbytes' own MatMul4Bit does.
+call that op as it is: on an H200 it took ~256 us of host time per call under the profiler, 504
+calls per step of Qwen2.5-3B QLoRA, and short steps waited on the host
+(bench/results/vs-trl-h200.md). Written as torch ops, the whole dequantization is one generated
+kernel feeding the matmul, and backward dequantizes again instead of keeping the dequantized weight,
+as bitsandbytes' own MatMul4Bit does.
 
 The dequantization reproduces bitsandbytes' bit for bit: the 16-entry code table is read from
 bitsandbytes' own kernel, each weight is code[nibble] * absmax in fp32 rounded once to the compute
