@@ -21,8 +21,11 @@ Then, from torch.cuda.memory._snapshot() (segments/blocks and device_traces):
      plus allocator slack = reserved - allocated at the peak.
 Prints a table in GiB and writes a JSON summary (no pickle is written anywhere).
 
-    python bench/memory_snapshot.py --arch qwen2.5-3b --quant none --batch 4 --out bench/results/memory-qwen3b-lora.json
-    python bench/memory_snapshot.py --arch qwen2.5-3b --quant 4bit --batch 4 --seq 512 --out ...
+The run is bench/vs_trl.py's relaytune worker's config for the same case arguments (--packing,
+--adapter-dtype, --relaytune-set), so a snapshot explains a row of the side-by-side table.
+
+    python bench/memory_snapshot.py --arch qwen2.5-3b --quant none --batch 4 --packing --out lora.json
+    python bench/memory_snapshot.py --arch qwen2.5-3b --quant 4bit --batch 4 --seq 512 --packing --out ...
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import vs_trl  # noqa: E402  (puts src/ on sys.path; the model, data and config of the comparison)
 
 GIB = 2**30
 CATEGORIES = ["frozen weights", "LoRA params", "LoRA grads", "LoRA optimizer state", "checkpoint staging",
@@ -216,15 +220,9 @@ def main() -> None:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="qwen2.5-3b")
-    p.add_argument("--quant", default="none", choices=["none", "4bit"])
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--accum", type=int, default=1)
+    vs_trl.case_arguments(p)  # the case exactly as bench/vs_trl.py runs it (packing, adapter dtype, ...)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps; a checkpoint is saved at --save-at")
     p.add_argument("--save-at", type=int, default=2)
-    p.add_argument("--optim", default="adamw_torch", choices=["adamw_torch", "paged_adamw_8bit"])
-    p.add_argument("--lora-dropout", type=float, default=0.05)
     p.add_argument("--max-entries", type=int, default=200000)
     p.add_argument("--stacks", default="python", choices=["all", "python"],
                    help="python (default, fast); all: C++ frames too (finds AccumulateGrad; symbolizing is slow)")
@@ -235,14 +233,15 @@ def main() -> None:
               "(torch.cuda.memory._record_memory_history), which the CPU has none of. Run it on the H200.",
               file=sys.stderr)
         raise SystemExit(2)
-    import vs_trl  # noqa: F401  (registers the extra ARCHS entries)
-    from gpu_bench import WORK, build_model, long_text_data
+    from gpu_bench import WORK, build_model
+    from vs_trl_workers import relaytune_config
 
     import relaytune
 
-    case = f"{args.arch}-{args.quant}-s{args.seq}-b{args.batch}"
-    model = build_model(args.arch)
-    data = long_text_data(args.batch * args.accum * (args.steps + 2), args.seq)
+    case = f"{args.arch}-{args.quant}-s{args.seq}-b{args.batch}{'-packed' if args.packing else ''}"
+    args.warmup, args.save_steps = 0, args.save_at  # every step is recorded; vs_trl's names
+    args.model, args.data = str(build_model(args.arch)), None
+    args.data = str(vs_trl.data_for(args, args.batch))
     out_dir = WORK / "memory" / case
     shutil.rmtree(out_dir, ignore_errors=True)
 
@@ -263,14 +262,7 @@ def main() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     handle = register_optimizer_step_post_hook(after_step)
-    cfg = dict(model=str(model), dataset=str(data), output_dir=str(out_dir), max_steps=args.steps,
-               per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
-               max_seq_length=args.seq, gradient_checkpointing=True, bf16=True, optim=args.optim,
-               learning_rate=1e-4, lora_r=16, lora_alpha=32, lora_dropout=args.lora_dropout,
-               lora_target_modules="all-linear", logging_steps=1, save_steps=args.save_at,
-               save_every_seconds=0, report_to="none", dataset_cache=False)
-    if args.quant == "4bit":
-        cfg.update(load_in_4bit=True)
+    cfg = relaytune_config(args, out_dir)
     device = torch.cuda.current_device()
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks=args.stacks,
                                              max_entries=args.max_entries)
@@ -291,6 +283,7 @@ def main() -> None:
     del snap
     result.update(
         case=case, arch=args.arch, quant=args.quant, seq=args.seq, batch=args.batch, accum=args.accum,
+        packing=args.packing, adapter_dtype=cfg["adapter_dtype"], relaytune_set=args.relaytune_set or [],
         steps=args.steps, checkpoint_at=args.save_at, optim=args.optim, lora_dropout=args.lora_dropout,
         device=torch.cuda.get_device_name(device), torch=torch.__version__,
         torch_max_memory_allocated_gib=round(torch_peak / GIB, 3),
