@@ -131,8 +131,7 @@ def test_compiled_the_graph_has_no_bitsandbytes_op_and_keeps_no_dequantized_weig
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_on_cuda_compiled_dequantization_and_forward_are_bitsandbytes(quant_type):
     """Inductor's generated kernel against bitsandbytes' CUDA kernel (not its CPU code), and a compiled
-    block against bitsandbytes' eager forward. The same comparisons ran on an H200 as a script
-    (bench/results/vs-trl-h200.md, sixth session); this test has not run on a GPU yet."""
+    block against bitsandbytes' eager forward (run on an H200, seventh session)."""
     layer = _linear4bit(256, 2048, quant_type=quant_type, device="cuda")
     state = layer.weight.quant_state
     inner = (state.state2.code, state.state2.absmax, state.offset)
@@ -145,7 +144,9 @@ def test_on_cuda_compiled_dequantization_and_forward_are_bitsandbytes(quant_type
     expected = _run(block, x)
     fuse_4bit_linears([block], BF16)
     got = _run(torch.compile(block), x)
-    torch.testing.assert_close(got[0], expected[0])  # bf16's default tolerance: Inductor's own fusions
+    # Inductor computes relu(proj) * gate in fp32 and rounds once, eager rounds each to bf16 (on the H200
+    # outputs near zero differed by more than bf16's default atol of 1e-5); a misread weight is far off.
+    torch.testing.assert_close(got[0], expected[0], rtol=0.02, atol=2e-3)
     torch.testing.assert_close(got[1][0], expected[1][0], rtol=0.02, atol=2e-3)
 
 
