@@ -18,10 +18,12 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
 - saved activations, per layer and token: with gradient checkpointing the layer's input (a x h);
   without, everything autograd keeps (see `layer_saved_bytes`), which is less when torch_compile
   compiles each layer (Inductor recomputes the norms' upcast and the SiLU product in backward).
-- the peak is reached either in the loss's backward (all saved activations + one loss chunk:
-  fp32 log-softmax, its gradient and the input gradient, 12 bytes per logit, chunk of
-  CHUNK_TOKENS labelled tokens, recomputed per chunk) or in the backward of the last layer (all
-  saved activations + that layer recomputed + the backward's temporaries), whichever is larger.
+- the peak is reached either in the loss (all saved activations + one loss chunk of CHUNK_TOKENS
+  labelled tokens: in bf16 or fp32 its logits in the compute dtype and in fp32, which become their
+  own gradient in place, 6 bytes per logit, in forward; in fp16 recomputed in backward, the fp32
+  log-softmax, its gradient and the input gradient, 12 bytes per logit) or in the backward of the
+  last layer (all saved activations + that layer recomputed + the backward's temporaries),
+  whichever is larger.
 - reserved/nvidia-smi adds allocator slack, the CUDA context and paged optimizer state.
 
 The constants fitted to measurements (BACKWARD_*) come from H200 figures: the eager ones from
@@ -45,6 +47,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # constant per 256 blocks.
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
 LOSS_BYTES_PER_LOGIT = 12  # fp32 log-softmax output + its gradient + the logits' gradient, alive together
+# The loss that computes the head's gradient in forward (bf16, fp32): fp32 logits beside their copy in
+# the compute dtype, first as the matmul's output and then as the gradient's input to the next matmul.
+FUSED_LOSS_BYTES_PER_LOGIT = 6
 # Backward temporaries of one decoder layer, in units of a x I per token: gradients of the down
 # projection's input, of the SwiGLU halves and of the LoRA input casts. Adapters in fp32 under
 # half-precision autocast add fp32 copies of those gradients; 4-bit layers skip the fp32 cast.
@@ -84,6 +89,7 @@ class Settings:
     compiled_layers: bool = False  # torch_compile in force: each decoder layer compiled by Inductor
     offload_activations: bool = False  # checkpointed layer inputs held in pinned CPU memory
     adapter_bytes: int = 4  # adapter_dtype: 4 for float32, 2 for bfloat16 (weights, gradients, AdamW moments)
+    loss_recomputed: bool = False  # every loss chunk recomputed in backward (before 2026-12-02; fp16 still is)
 
 
 @dataclass
@@ -92,7 +98,7 @@ class MemoryEstimate:
 
     parts: dict[str, int]
     details: dict[str, str]
-    peak_phase: str  # "loss backward" or "layer backward"
+    peak_phase: str  # "loss" or "layer backward"
     off_peak: dict[str, int]  # the other phase's parts, which do not coincide with the peak
     total_allocated: int
     slack: int
@@ -138,7 +144,7 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
     allocated = sum(parts.values())
     return MemoryEstimate(
         parts=parts, details=describe_parts(arch, s, tokens, n_lora, opt_paged, gradient_checkpointing),
-        peak_phase="loss backward" if loss_peak else "layer backward", off_peak=off,
+        peak_phase="loss" if loss_peak else "layer backward", off_peak=off,
         total_allocated=allocated, slack=int(SLACK_FRACTION * allocated),
         cuda_context=int(CUDA_CONTEXT_GIB * GIB), paged=opt_paged, micro_batch=micro_batch,
         gradient_checkpointing=gradient_checkpointing)
@@ -258,9 +264,9 @@ def uses_chunked_loss(arch: Architecture) -> bool:
 
 
 def loss_bytes(arch: Architecture, s: Settings, tokens: int) -> int:
-    """The loss's peak in its backward, plus the decoder's last hidden states around it.
+    """The loss's peak, plus the decoder's last hidden states around it.
 
-    Chunked: one chunk of labelled tokens at a time (fp32 logits, recomputed in backward). Otherwise
+    Chunked: one chunk of labelled tokens at a time (fp32 logits; see the module's docstring). Otherwise
     the model's own forward: logits for every position in the compute dtype, upcast to fp32.
     """
     a, h, v = DTYPE_BYTES[s.compute_dtype], arch.hidden_size, arch.vocab_size
@@ -268,7 +274,9 @@ def loss_bytes(arch: Architecture, s: Settings, tokens: int) -> int:
     # The final norm keeps its fp32 input; the labelled rows are gathered and get a gradient.
     around = tokens * h * (4 + a) + labelled * h * a
     if uses_chunked_loss(arch):
-        return around + min(s.chunk_tokens, labelled) * v * LOSS_BYTES_PER_LOGIT
+        recomputed = s.compute_dtype == "fp16" or s.loss_recomputed
+        per_logit = LOSS_BYTES_PER_LOGIT if recomputed else FUSED_LOSS_BYTES_PER_LOGIT
+        return around + min(s.chunk_tokens, labelled) * v * per_logit
     return around + tokens * v * (LOSS_BYTES_PER_LOGIT + a)
 
 
@@ -285,7 +293,9 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
         opt += f"; {paged / GIB:.2f} GiB more is paged (outside torch's count)"
     if uses_chunked_loss(arch):
         chunk = min(s.chunk_tokens, max(1, int(tokens * s.labelled_fraction)))
-        loss = f"{chunk:,} labelled tokens x {arch.vocab_size:,} vocab in fp32, recomputed per chunk"
+        how = "recomputed per chunk" if s.compute_dtype == "fp16" or s.loss_recomputed else \
+            "gradient computed in forward"
+        loss = f"{chunk:,} labelled tokens x {arch.vocab_size:,} vocab in fp32, {how}"
     else:
         loss = f"full logits of {tokens:,} tokens x {arch.vocab_size:,} ({arch.model_type} gets no chunked loss)"
     saved = ("each layer's input per token (checkpointing)" if gc

@@ -4,7 +4,11 @@ A model's own forward computes logits for every position (batch x seq x vocab;
 for Qwen2.5 at 4 x 2048 that is 1.2 G values, 5 GB in fp32 once the loss
 upcasts them, and as much again for their gradient). Here the decoder runs,
 then only the positions that carry a label go through the output head, in
-chunks, each recomputed in backward: the peak holds one chunk's logits.
+chunks: the peak holds one chunk's logits. When training in bf16 or fp32 with a
+frozen plain head, each chunk's gradient for the hidden states is computed right
+after its loss, in forward (`HeadLoss`), so its logits exist once, in place, and
+are never recomputed; otherwise (fp16, whose gradient scale is only known in
+backward, or a head that trains) each chunk is recomputed in backward.
 
 The sum is divided by `num_items` (the target tokens of the whole global
 batch), exactly as transformers' `num_items_in_batch` does, so gradient
@@ -46,6 +50,9 @@ def causal_lm_loss(model, batch: dict, num_items: int, chunked: bool = True) -> 
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
     targets = targets.index_select(0, keep)
     head = lm.get_output_embeddings()
+    dtype = compute_dtype(head, hidden)
+    if torch.is_grad_enabled() and hidden.requires_grad and fused_gradient(head, dtype):
+        return HeadLoss.apply(hidden, head.weight, head.bias, targets, dtype) / num_items
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), CHUNK_TOKENS):
         h, t = hidden[start:start + CHUNK_TOKENS], targets[start:start + CHUNK_TOKENS]
@@ -59,3 +66,52 @@ def causal_lm_loss(model, batch: dict, num_items: int, chunked: bool = True) -> 
 def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
     return F.cross_entropy(logits, targets, reduction="sum")
+
+
+def compute_dtype(head, hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on, else the weight's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+
+
+def fused_gradient(head, dtype: torch.dtype) -> bool:
+    """Whether `HeadLoss` computes exactly what autograd would through `head`: a plain frozen linear
+    layer (not PEFT's or bitsandbytes' wrapper, not sharded by FSDP, no hooks) in bf16 or fp32. In fp16
+    the gradient would be rounded before the loss scale that keeps it from underflowing is known."""
+    params = [head.weight] + ([head.bias] if head.bias is not None else [])
+    return (type(head) is torch.nn.Linear and dtype in (torch.bfloat16, torch.float32)
+            and not any(p.requires_grad or type(p.data) is not torch.Tensor for p in params)
+            and not (head._forward_hooks or head._forward_pre_hooks))
+
+
+class HeadLoss(torch.autograd.Function):
+    """Summed cross-entropy of `hidden @ weight.T + bias` against `targets`, chunk by chunk, with the
+    gradient for `hidden` computed in forward: d(loss)/d(logits) = softmax - one_hot, which the
+    chunk's fp32 logits become in place. Backward only scales it by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dtype):
+        weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, targets.numel(), CHUNK_TOKENS):
+                rows = slice(start, start + CHUNK_TOKENS)
+                t = targets[rows]
+                logits = F.linear(hidden[rows].to(dtype), weight, bias).float()
+                picked = logits.gather(1, t[:, None]).squeeze(1)
+                top = logits.amax(dim=1, keepdim=True)
+                sums = logits.sub_(top).exp_().sum(dim=1, keepdim=True)
+                total += (sums.log() + top - picked[:, None]).sum()  # log-sum-exp minus the target's logit
+                probs = logits.div_(sums)
+                probs.scatter_add_(1, t[:, None], torch.full_like(picked[:, None], -1.0))
+                grad[rows] = probs.to(dtype) @ weight
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return (grad.float() * grad_total).to(ctx.hidden_dtype), None, None, None, None

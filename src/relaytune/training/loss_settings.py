@@ -1,6 +1,6 @@
 """The loss's shape settings, torch-free, so that the planner predicts what the loss really allocates."""
 
-CHUNK_TOKENS = 256  # labelled tokens whose logits exist at once (one chunk, recomputed in backward); TRL uses 256
+CHUNK_TOKENS = 256  # labelled tokens whose logits exist at once (one chunk); TRL uses 256
 
 # Model types whose output head is a plain linear layer, so the chunked loss computes exactly what
 # the model's own forward would; others (logit soft-capping, scaling) use the model's forward.
