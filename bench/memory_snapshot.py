@@ -240,7 +240,7 @@ def main() -> None:
 
     case = f"{args.arch}-{args.quant}-s{args.seq}-b{args.batch}{'-packed' if args.packing else ''}"
     args.warmup, args.save_steps = 0, args.save_at  # every step is recorded; vs_trl's names
-    args.model, args.data = str(build_model(args.arch)), None
+    args.model = str(build_model(args.arch))
     args.data = str(vs_trl.data_for(args, args.batch))
     out_dir = WORK / "memory" / case
     shutil.rmtree(out_dir, ignore_errors=True)
