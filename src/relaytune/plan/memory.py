@@ -263,6 +263,12 @@ def uses_chunked_loss(arch: Architecture) -> bool:
     return arch.model_type in plain_head_types() and not arch.logit_softcapping
 
 
+def loss_recomputed(s: Settings) -> bool:
+    """Whether each loss chunk is recomputed in backward (fp16, as training/loss.py decides) rather
+    than its gradient computed in forward."""
+    return s.compute_dtype == "fp16" or s.loss_recomputed
+
+
 def loss_bytes(arch: Architecture, s: Settings, tokens: int) -> int:
     """The loss's peak, plus the decoder's last hidden states around it.
 
@@ -274,8 +280,7 @@ def loss_bytes(arch: Architecture, s: Settings, tokens: int) -> int:
     # The final norm keeps its fp32 input; the labelled rows are gathered and get a gradient.
     around = tokens * h * (4 + a) + labelled * h * a
     if uses_chunked_loss(arch):
-        recomputed = s.compute_dtype == "fp16" or s.loss_recomputed
-        per_logit = LOSS_BYTES_PER_LOGIT if recomputed else FUSED_LOSS_BYTES_PER_LOGIT
+        per_logit = LOSS_BYTES_PER_LOGIT if loss_recomputed(s) else FUSED_LOSS_BYTES_PER_LOGIT
         return around + min(s.chunk_tokens, labelled) * v * per_logit
     return around + tokens * v * (LOSS_BYTES_PER_LOGIT + a)
 
@@ -293,8 +298,7 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
         opt += f"; {paged / GIB:.2f} GiB more is paged (outside torch's count)"
     if uses_chunked_loss(arch):
         chunk = min(s.chunk_tokens, max(1, int(tokens * s.labelled_fraction)))
-        how = "recomputed per chunk" if s.compute_dtype == "fp16" or s.loss_recomputed else \
-            "gradient computed in forward"
+        how = "recomputed per chunk" if loss_recomputed(s) else "gradient computed in forward"
         loss = f"{chunk:,} labelled tokens x {arch.vocab_size:,} vocab in fp32, {how}"
     else:
         loss = f"full logits of {tokens:,} tokens x {arch.vocab_size:,} ({arch.model_type} gets no chunked loss)"
