@@ -12,8 +12,15 @@ bench/vs_trl.py's relaytune worker, profiles the optimizer steps after --warmup,
 The profiler adds host time of its own, so its steps are slower than vs_trl.py's: read the
 fractions and the rankings, not the tokens/s.
 
+--gaps records the GPU alone (no host ops, no sync between steps), so the host runs close to its
+unprofiled pace, and reports where the GPU waits instead of the op tables: its idle time per step
+in bands of gap length, totalled by the kernel that ended each wait, and the longest gaps with the
+work on either side (a wait that ends at an optimizer kernel is the step boundary; one that ends at
+a compiled layer's first kernel is that call's host overhead).
+
     python bench/step_profile.py --arch qwen2.5-3b --quant 4bit --batch 4 --seq 512 --packing \\
         --out bench/results/step-profile-h200.md
+    python bench/step_profile.py --arch llama-3-8b --quant 4bit --batch 2 --packing --steps 3 --gaps
     python bench/step_profile.py --arch tiny --seq 128 --steps 2 --warmup 1   # CPU smoke test
 """
 
@@ -37,28 +44,70 @@ ROWS = 15  # ops listed per table
 class StepClock:
     """Steps the profiler and times each optimizer step, from the end of one to the end of the next."""
 
-    def __init__(self, prof, cuda: bool):
-        self.prof, self.cuda, self.ends = prof, cuda, []
+    def __init__(self, prof, sync: bool):
+        self.prof, self.sync, self.ends = prof, sync, []
 
     def __call__(self, optimizer, args, kwargs) -> None:
         import torch
 
-        if self.cuda:
+        if self.sync:
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
         self.prof.step()
 
 
-def gpu_seconds(prof) -> float | None:
-    """Summed duration of the device-side events (kernels, copies) the profiler recorded; the GPU-side
-    spans of annotations (ProfilerStep#n covers whole steps) are not work and are left out."""
+def device_work(prof) -> list:
+    """The device-side events (kernels, copies) the profiler recorded, in order of their start; the
+    GPU-side spans of annotations (ProfilerStep#n covers whole steps) are not work and are left out."""
     from torch.autograd import DeviceType
 
     def is_work(e) -> bool:
         return not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")
 
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and is_work(e)]
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def gpu_seconds(prof) -> float | None:
+    """Summed duration of the GPU's kernels and copies."""
+    events = device_work(prof)
     return sum(e.time_range.elapsed_us() for e in events) / 1e6 if events else None
+
+
+GAP_BANDS = ((0, 10), (10, 100), (100, 1000), (1000, float("inf")))  # microseconds
+
+
+def gap_report(prof, steps: int) -> list[str]:
+    """Where the GPU waits: every interval between the end of the work so far and the start of the
+    next kernel or copy, in bands of length, and the longest ones with the work on either side."""
+    events = device_work(prof)
+    if len(events) < 2:
+        return ["- gaps: the profiler recorded no GPU work"]
+    gaps, reach = [], events[0].time_range.end
+    for before, after in zip(events, events[1:]):
+        if after.time_range.start > reach:
+            gaps.append((after.time_range.start - reach, before.name, after.name))
+        reach = max(reach, after.time_range.end)
+    span = (reach - events[0].time_range.start) / 1e3
+    idle = sum(g for g, _, _ in gaps) / 1e3
+    lines = [f"- GPU timeline of the profiled steps: {span:.1f} ms from the first kernel to the last, "
+             f"{idle:.1f} ms of it idle ({idle / span:.0%}), {idle / steps:.1f} ms idle per step", "",
+             "| gap length | gaps per step | idle ms per step |", "|---|---|---|"]
+    for low, high in GAP_BANDS:
+        band = [g for g, _, _ in gaps if low <= g < high]
+        label = f"{low}-{high} us" if high != float("inf") else f">= {low} us"
+        lines.append(f"| {label} | {len(band) / steps:.0f} | {sum(band) / 1e3 / steps:.2f} |")
+    by_next: dict[str, list[float]] = {}
+    for g, _, after in gaps:
+        by_next.setdefault(after[:70], []).append(g)
+    lines += ["", "Idle before each kind of work (ms per step, gaps per step, the work that ended the wait):",
+              "", "```"]
+    for name, waits in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:ROWS]:
+        lines.append(f"{sum(waits) / 1e3 / steps:8.2f}  {len(waits) / steps:6.1f}  {name}")
+    lines += ["```", "", "Longest gaps (us, the work before, the work after):", "", "```"]
+    for g, before, after in sorted(gaps, reverse=True)[:ROWS]:
+        lines.append(f"{g:9.0f}  {before[:55]:55}  {after[:55]}")
+    return lines + ["```"]
 
 
 def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
@@ -73,6 +122,11 @@ def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
     if busy is not None and walls:
         lines.append(f"- GPU busy: {busy:.3f} s of kernels and copies in {sum(walls):.3f} s of wall time "
                      f"= {busy / sum(walls):.0%}")
+    if args.gaps:
+        lines += gap_report(prof, args.steps) if cuda else ["- gaps: no GPU"]
+        lines += [f"- versions: {vs_trl.stack_versions()}",
+                  f"<!-- command: python bench/step_profile.py {' '.join(sys.argv[1:])} -->"]
+        return "\n".join(lines) + "\n"
     averages = prof.key_averages()
     lines += ["", "Most self CPU time:", "", "```",
               averages.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=60), "```"]
@@ -94,6 +148,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="steps before profiling (at least 1: the compile)")
     p.add_argument("--trace", help="also write the Chrome trace of the profiled steps here")
     p.add_argument("--out", help="append the report to this file")
+    p.add_argument("--gaps", action="store_true",
+                   help="record the GPU alone (the host runs at its unprofiled pace, no sync between steps) "
+                        "and report where the GPU waits instead of the op tables")
     args = p.parse_args()
     if args.warmup < 1:
         p.error("--warmup must be at least 1 (the first step compiles)")
@@ -116,11 +173,13 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     cfg = relaytune_config(args, out)
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    activities = ([] if args.gaps else [ProfilerActivity.CPU]) + ([ProfilerActivity.CUDA] if cuda else [])
+    if not activities:  # --gaps on a CPU: nothing to record on a GPU, so record the host
+        activities = [ProfilerActivity.CPU]
     # Profiler step i is training step i+1: wait out the first warmup-1, warm the profiler up on one.
     plan = schedule(wait=args.warmup - 1, warmup=1, active=args.steps, repeat=1)
     with profile(activities=activities, schedule=plan) as prof:
-        clock = StepClock(prof, cuda)
+        clock = StepClock(prof, sync=cuda and not args.gaps)
         handle = register_optimizer_step_post_hook(clock)
         try:
             relaytune.train(cfg)

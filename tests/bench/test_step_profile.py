@@ -27,3 +27,34 @@ def test_step_profile_reports_the_profiled_steps(tmp_path):
     assert walls and all(float(w) > 0 for w in walls.groups()), text[:500]
     cpu_table = text.split("Most self CPU time:")[1]
     assert "aten::mm" in cpu_table and "GPU busy" not in text  # no GPU here, so no GPU figures
+
+
+def test_the_gap_report_finds_where_the_gpu_waits(monkeypatch):
+    """--gaps: idle time is what lies between the end of all work so far and the next start (a copy
+    overlapping a kernel hides no gap), in bands of length, totalled by the work that ended the wait."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import step_profile
+
+    class Span:
+        def __init__(self, start, end):
+            self.start, self.end = start, end
+
+        def elapsed_us(self):
+            return self.end - self.start
+
+    class Work:
+        def __init__(self, name, start, end):
+            self.name, self.time_range = name, Span(start, end)
+
+    # two steps: each waits 8 us before "mm", 2,000 us before "adamw" (the host's step boundary)
+    work = [Work("mm", 0, 100), Work("copy", 50, 300), Work("mm", 308, 400), Work("adamw", 2400, 2500),
+            Work("mm", 2508, 2600), Work("adamw", 4600, 4700)]
+    monkeypatch.setattr(step_profile, "device_work", lambda prof: work)
+    lines = step_profile.gap_report(None, steps=2)
+    text = "\n".join(lines)
+    assert lines[0] == ("- GPU timeline of the profiled steps: 4.7 ms from the first kernel to the last, "
+                        "4.0 ms of it idle (85%), 2.0 ms idle per step")
+    assert "| 0-10 us | 1 | 0.01 |" in text and "| >= 1000 us | 1 | 2.00 |" in text
+    assert "| 10-100 us | 0 | 0.00 |" in text and "| 100-1000 us | 0 | 0.00 |" in text
+    assert "    2.00     1.0  adamw" in text and "    0.01     1.0  mm" in text
+    assert text.index("     2000  mm") < text.index("        8  copy")
