@@ -19,9 +19,10 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
   without, everything autograd keeps (see `layer_saved_bytes`), which is less when torch_compile
   compiles each layer (Inductor recomputes the norms' upcast and the SiLU product in backward).
 - the peak is reached either in the loss (all saved activations + one loss chunk of CHUNK_TOKENS
-  labelled tokens: in bf16 or fp32 its logits in the compute dtype and in fp32, which become their
-  own gradient in place, 6 bytes per logit, in forward; in fp16 recomputed in backward, the fp32
-  log-softmax, its gradient and the input gradient, 12 bytes per logit) or in the backward of the
+  labelled tokens: its logits in the compute dtype and in fp32, which become their own gradient in
+  place, 6 bytes per logit, in forward; 12 bytes per logit when each chunk was recomputed in
+  backward, as every run did before 2026-12-02: the fp32 log-softmax, its gradient and the input
+  gradient) or in the backward of the
   last layer (all saved activations + that layer recomputed + the backward's temporaries),
   whichever is larger.
 - reserved/nvidia-smi adds allocator slack, the CUDA context and paged optimizer state.
@@ -89,7 +90,7 @@ class Settings:
     compiled_layers: bool = False  # torch_compile in force: each decoder layer compiled by Inductor
     offload_activations: bool = False  # checkpointed layer inputs held in pinned CPU memory
     adapter_bytes: int = 4  # adapter_dtype: 4 for float32, 2 for bfloat16 (weights, gradients, AdamW moments)
-    loss_recomputed: bool = False  # every loss chunk recomputed in backward (before 2026-12-02; fp16 still is)
+    loss_recomputed: bool = False  # every loss chunk recomputed in backward (relaytune before 2026-12-02)
 
 
 @dataclass
@@ -263,12 +264,6 @@ def uses_chunked_loss(arch: Architecture) -> bool:
     return arch.model_type in plain_head_types() and not arch.logit_softcapping
 
 
-def loss_recomputed(s: Settings) -> bool:
-    """Whether each loss chunk is recomputed in backward (fp16, as training/loss.py decides) rather
-    than its gradient computed in forward."""
-    return s.compute_dtype == "fp16" or s.loss_recomputed
-
-
 def loss_bytes(arch: Architecture, s: Settings, tokens: int) -> int:
     """The loss's peak, plus the decoder's last hidden states around it.
 
@@ -280,7 +275,7 @@ def loss_bytes(arch: Architecture, s: Settings, tokens: int) -> int:
     # The final norm keeps its fp32 input; the labelled rows are gathered and get a gradient.
     around = tokens * h * (4 + a) + labelled * h * a
     if uses_chunked_loss(arch):
-        per_logit = LOSS_BYTES_PER_LOGIT if loss_recomputed(s) else FUSED_LOSS_BYTES_PER_LOGIT
+        per_logit = LOSS_BYTES_PER_LOGIT if s.loss_recomputed else FUSED_LOSS_BYTES_PER_LOGIT
         return around + min(s.chunk_tokens, labelled) * v * per_logit
     return around + tokens * v * (LOSS_BYTES_PER_LOGIT + a)
 
@@ -298,7 +293,7 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
         opt += f"; {paged / GIB:.2f} GiB more is paged (outside torch's count)"
     if uses_chunked_loss(arch):
         chunk = min(s.chunk_tokens, max(1, int(tokens * s.labelled_fraction)))
-        how = "recomputed per chunk" if loss_recomputed(s) else "gradient computed in forward"
+        how = "recomputed per chunk" if s.loss_recomputed else "gradient computed in forward"
         loss = f"{chunk:,} labelled tokens x {arch.vocab_size:,} vocab in fp32, {how}"
     else:
         loss = f"full logits of {tokens:,} tokens x {arch.vocab_size:,} ({arch.model_type} gets no chunked loss)"

@@ -250,8 +250,9 @@ def trial_step(parts, rows: list) -> int | None:
         model.train()  # checkpointing and dropout act in training mode only
         batch = {k: v.to(precision.device) for k, v in collate(rows, parts.pad_id, width=parts.width).items()}
         with autocast:
-            loss = causal_lm_loss(model, batch, count_targets(rows), chunked=parts.chunked)
-        loss.backward()
+            loss = causal_lm_loss(model, batch, count_targets(rows), chunked=parts.chunked,
+                                  loss_scale=parts.loss_scale())
+        (parts.scaler.scale(loss) if parts.scaler else loss).backward()
         del loss, batch
         return torch.cuda.max_memory_allocated() if cuda else None
     finally:

@@ -4,11 +4,12 @@ A model's own forward computes logits for every position (batch x seq x vocab;
 for Qwen2.5 at 4 x 2048 that is 1.2 G values, 5 GB in fp32 once the loss
 upcasts them, and as much again for their gradient). Here the decoder runs,
 then only the positions that carry a label go through the output head, in
-chunks: the peak holds one chunk's logits. When training in bf16 or fp32 with a
-frozen plain head, each chunk's gradient for the hidden states is computed right
-after its loss, in forward (`HeadLoss`), so its logits exist once, in place, and
-are never recomputed; otherwise (fp16, whose gradient scale is only known in
-backward, or a head that trains) each chunk is recomputed in backward.
+chunks: the peak holds one chunk's logits. With a frozen plain head, each
+chunk's gradient for the hidden states is computed right after its loss, in
+forward (`HeadLoss`), so its logits exist once, in place, and are never
+recomputed; fp16 does so too when it is handed the gradient scaler's scale (the
+gradient is rounded to fp16 already scaled, as autograd's is). Otherwise (a head
+that trains, or fp16 without the scale) each chunk is recomputed in backward.
 
 The sum is divided by `num_items` (the target tokens of the whole global
 batch), exactly as transformers' `num_items_in_batch` does, so gradient
@@ -36,8 +37,11 @@ def supports_chunked_loss(model) -> bool:
     return hasattr(lm, "get_decoder") and lm.get_output_embeddings() is not None
 
 
-def causal_lm_loss(model, batch: dict, num_items: int, chunked: bool = True) -> torch.Tensor:
-    """Summed next-token cross-entropy over labelled positions, divided by `num_items`."""
+def causal_lm_loss(model, batch: dict, num_items: int, chunked: bool = True,
+                   loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy over labelled positions, divided by `num_items`. `loss_scale`:
+    the factor fp16's gradient scaler will multiply this loss by before backward (a 0-d tensor on the
+    device, so reading it never waits for the GPU)."""
     if not chunked:
         return model(**batch, num_items_in_batch=num_items).loss
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -51,8 +55,9 @@ def causal_lm_loss(model, batch: dict, num_items: int, chunked: bool = True) -> 
     targets = targets.index_select(0, keep)
     head = lm.get_output_embeddings()
     dtype = compute_dtype(head, hidden)
-    if torch.is_grad_enabled() and hidden.requires_grad and fused_gradient(head, dtype):
-        return HeadLoss.apply(hidden, head.weight, head.bias, targets, dtype) / num_items
+    if torch.is_grad_enabled() and hidden.requires_grad and fused_gradient(head, dtype, loss_scale is not None):
+        expected = None if loss_scale is None else loss_scale / num_items  # what backward will bring
+        return HeadLoss.apply(hidden, head.weight, head.bias, targets, dtype, expected) / num_items
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), CHUNK_TOKENS):
         h, t = hidden[start:start + CHUNK_TOKENS], targets[start:start + CHUNK_TOKENS]
@@ -74,12 +79,14 @@ def compute_dtype(head, hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
 
 
-def fused_gradient(head, dtype: torch.dtype) -> bool:
+def fused_gradient(head, dtype: torch.dtype, scaled: bool = False) -> bool:
     """Whether `HeadLoss` computes exactly what autograd would through `head`: a plain frozen linear
-    layer (not PEFT's or bitsandbytes' wrapper, not sharded by FSDP, no hooks) in bf16 or fp32. In fp16
-    the gradient would be rounded before the loss scale that keeps it from underflowing is known."""
+    layer (not PEFT's or bitsandbytes' wrapper, not sharded by FSDP, no hooks) in bf16 or fp32, or in
+    fp16 when the loss scale is known (`scaled`): unscaled, the logits' gradient (most of it far below
+    fp16's smallest normal number for a large vocabulary) would be rounded to zero."""
     params = [head.weight] + ([head.bias] if head.bias is not None else [])
-    return (type(head) is torch.nn.Linear and dtype in (torch.bfloat16, torch.float32)
+    dtypes = (torch.bfloat16, torch.float32) + ((torch.float16,) if scaled else ())
+    return (type(head) is torch.nn.Linear and dtype in dtypes
             and not any(p.requires_grad or type(p.data) is not torch.Tensor for p in params)
             and not (head._forward_hooks or head._forward_pre_hooks))
 
@@ -87,10 +94,14 @@ def fused_gradient(head, dtype: torch.dtype) -> bool:
 class HeadLoss(torch.autograd.Function):
     """Summed cross-entropy of `hidden @ weight.T + bias` against `targets`, chunk by chunk, with the
     gradient for `hidden` computed in forward: d(loss)/d(logits) = softmax - one_hot, which the
-    chunk's fp32 logits become in place. Backward only scales it by the incoming gradient."""
+    chunk's fp32 logits become in place. Backward only scales it by the incoming gradient.
+
+    `expected`: the incoming gradient backward will bring (fp16: the loss scale over the target
+    count), multiplied in before the logits' gradient is rounded to `dtype` and divided out again in
+    backward, so fp16 rounds the same scaled values that autograd's backward would."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, dtype):
+    def forward(ctx, hidden, weight, bias, targets, dtype, expected=None):
         weight = weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -106,12 +117,15 @@ class HeadLoss(torch.autograd.Function):
                 total += (sums.log() + top - picked[:, None]).sum()  # log-sum-exp minus the target's logit
                 probs = logits.div_(sums)
                 probs.scatter_add_(1, t[:, None], torch.full_like(picked[:, None], -1.0))
+                if expected is not None:
+                    probs.mul_(expected)
                 grad[rows] = probs.to(dtype) @ weight
         ctx.save_for_backward(grad)
-        ctx.hidden_dtype = hidden.dtype
+        ctx.hidden_dtype, ctx.expected = hidden.dtype, expected
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_total).to(ctx.hidden_dtype), None, None, None, None
+        factor = grad_total if ctx.expected is None else grad_total / ctx.expected
+        return (grad.float() * factor).to(ctx.hidden_dtype), None, None, None, None, None

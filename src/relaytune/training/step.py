@@ -45,6 +45,13 @@ class StepParts:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.sharded = self.world.distributed and fsdp.is_sharded(self.model)
 
+    def loss_scale(self) -> torch.Tensor | None:
+        """fp16: the factor the gradient scaler multiplies the loss by, as a tensor on the device (no
+        sync), so the loss can compute the output head's gradient in forward already scaled."""
+        if self.scaler is None:
+            return None
+        return self.scaler.scale(torch.ones((), device=self.precision.device))
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -71,13 +78,14 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
     autocast = (torch.autocast(parts.precision.device.type, dtype=parts.precision.autocast)
                 if parts.precision.autocast else contextlib.nullcontext())
     total_loss = torch.zeros((), device=parts.precision.device)
+    scale = parts.loss_scale()
     done = 0
     for i, batch in enumerate(micro_batches(rows, micro_batch_size, parts.pad_id, width=parts.width)):
         batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
         if faults.oom_now(step, i):
             raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
         with autocast:
-            loss = causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked)
+            loss = causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked, loss_scale=scale)
         if i == 0 and faults.nan_now(step):
             loss = loss * float("nan")
         (parts.scaler.scale(loss) if parts.scaler else loss).backward()
@@ -87,7 +95,7 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
         batch = next(micro_batches(filler, 1, parts.pad_id, width=parts.width))
         batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
         with autocast:
-            (causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked) * 0.0).backward()
+            (causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked, loss_scale=scale) * 0.0).backward()
     return total_loss
 
 
