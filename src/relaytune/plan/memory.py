@@ -22,9 +22,8 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
   labelled tokens: its logits in the compute dtype and in fp32, which become their own gradient in
   place, 6 bytes per logit, in forward; 12 bytes per logit when each chunk was recomputed in
   backward, as every run did before 2026-12-02: the fp32 log-softmax, its gradient and the input
-  gradient) or in the backward of the
-  last layer (all saved activations + that layer recomputed + the backward's temporaries),
-  whichever is larger.
+  gradient) or in the backward of the last layer (all saved activations + that layer recomputed +
+  the backward's temporaries), whichever is larger.
 - reserved/nvidia-smi adds allocator slack, the CUDA context and paged optimizer state.
 
 The constants fitted to measurements (BACKWARD_*) come from H200 figures: the eager ones from

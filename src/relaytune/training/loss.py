@@ -82,8 +82,9 @@ def compute_dtype(head, hidden: torch.Tensor) -> torch.dtype:
 def fused_gradient(head, dtype: torch.dtype, scaled: bool = False) -> bool:
     """Whether `HeadLoss` computes exactly what autograd would through `head`: a plain frozen linear
     layer (not PEFT's or bitsandbytes' wrapper, not sharded by FSDP, no hooks) in bf16 or fp32, or in
-    fp16 when the loss scale is known (`scaled`): unscaled, the logits' gradient (most of it far below
-    fp16's smallest normal number for a large vocabulary) would be rounded to zero."""
+    fp16 when the loss scale is known (`scaled`): rounded to fp16 unscaled, more of the logits' gradient
+    (for a large vocabulary mostly far below fp16's smallest normal number) would become zero than
+    autograd's scaled one does."""
     params = [head.weight] + ([head.bias] if head.bias is not None else [])
     dtypes = (torch.bfloat16, torch.float32) + ((torch.float16,) if scaled else ())
     return (type(head) is torch.nn.Linear and dtype in dtypes
