@@ -408,3 +408,13 @@ def test_torch_compile_auto_compiles_on_cards_with_triton_only():
     assert compiles_layers("auto", parse_gpu("T4")) and compiles_layers("auto", parse_gpu("H200"))
     assert not compiles_layers("auto", parse_gpu("P100"))
     assert not compiles_layers(False, parse_gpu("T4")) and compiles_layers(True, parse_gpu("P100"))
+
+
+def test_the_head_counts_two_matmul_passes_since_its_gradient_is_computed_in_forward():
+    """Forward and the hidden states' gradient; the anchors measured while each chunk was recomputed
+    in backward count a third pass."""
+    from relaytune.plan.throughput import flops_per_token
+
+    arch = resolve_architecture(QWEN3B)
+    now, then = flops_per_token(arch, 2048, True), flops_per_token(arch, 2048, True, loss_recomputed=True)
+    assert then - now == 2 * arch.vocab_size * arch.hidden_size

@@ -22,16 +22,18 @@ INT8_SLOWDOWN, FP32_SLOWDOWN = 0.5, 0.25
 
 
 def flops_per_token(arch: Architecture, seq: int, gradient_checkpointing: bool,
-                    labelled_fraction: float = 1.0) -> float:
+                    labelled_fraction: float = 1.0, loss_recomputed: bool = False) -> float:
     """Training FLOPs per token for LoRA: frozen weights need no weight gradient.
 
     Linear layers: forward 2N, input gradient 2N, and with checkpointing a second forward 2N.
-    The head runs on labelled tokens only, and the chunked loss recomputes it. Causal attention:
-    2 x S x q per layer per forward, twice that in backward.
+    The head runs on labelled tokens only: forward and input gradient, and a third time where the
+    chunked loss recomputed each chunk in backward (`loss_recomputed`: relaytune before 2026-12-02,
+    when the MEASURED anchors ran). Causal attention: 2 x S x q per layer per forward, twice that in
+    backward.
     """
     passes = 3 if gradient_checkpointing else 2
     layers = sum(m.in_features * m.out_features for m in arch.layer_linears()) * arch.num_layers
-    head_passes = 3 if uses_chunked_loss(arch) else 2
+    head_passes = 3 if loss_recomputed and uses_chunked_loss(arch) else 2
     head = 2 * head_passes * arch.vocab_size * arch.hidden_size * labelled_fraction
     attention = 2 * seq * arch.q_dim * arch.num_layers * (passes + 1)
     return 2 * passes * layers + head + attention
@@ -42,7 +44,7 @@ def _efficiency_anchors() -> list[tuple[float, float]]:
     points = []
     for model, _, _, tokens_per_s in MEASURED:
         arch = from_table(model)
-        used = tokens_per_s * flops_per_token(arch, MEASURED_SEQ, True)
+        used = tokens_per_s * flops_per_token(arch, MEASURED_SEQ, True, loss_recomputed=True)
         points.append((arch.total_params(), used / (H200_TFLOPS * 1e12)))
     return points
 
