@@ -110,6 +110,18 @@ def gap_report(prof, steps: int) -> list[str]:
     return lines + ["```"]
 
 
+def op_tables(prof, cuda: bool) -> list[str]:
+    """The ops with the most self CPU time, and (on a GPU) those with the most self GPU time."""
+    averages = prof.key_averages()
+    lines = ["", "Most self CPU time:", "", "```",
+             averages.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=60), "```"]
+    if cuda:
+        lines += ["", "Most self GPU time:", "", "```",
+                  averages.table(sort_by="self_device_time_total", row_limit=ROWS, max_name_column_width=60),
+                  "```"]
+    return lines
+
+
 def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
     # The profiler records steps warmup+1 .. warmup+steps; step i's wall time is ends[i] - ends[i-1].
     walls = [b - a for a, b in zip(clock.ends[args.warmup - 1:], clock.ends[args.warmup:])][:args.steps]
@@ -124,16 +136,8 @@ def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
                      f"= {busy / sum(walls):.0%}")
     if args.gaps:
         lines += gap_report(prof, args.steps) if cuda else ["- gaps: no GPU"]
-        lines += [f"- versions: {vs_trl.stack_versions()}",
-                  f"<!-- command: python bench/step_profile.py {' '.join(sys.argv[1:])} -->"]
-        return "\n".join(lines) + "\n"
-    averages = prof.key_averages()
-    lines += ["", "Most self CPU time:", "", "```",
-              averages.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=60), "```"]
-    if cuda:
-        lines += ["", "Most self GPU time:", "", "```",
-                  averages.table(sort_by="self_device_time_total", row_limit=ROWS, max_name_column_width=60),
-                  "```"]
+    else:
+        lines += op_tables(prof, cuda)
     if args.relaytune_set:
         lines.append("- relaytune settings: " + ", ".join(args.relaytune_set))
     lines.append(f"- versions: {vs_trl.stack_versions()}")

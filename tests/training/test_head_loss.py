@@ -139,15 +139,16 @@ def test_fp16_with_the_loss_scale_rounds_what_autograd_rounds(one_thread):
 
     assert error(autograd) < 0.01 and error(scaled) < 0.01
     torch.testing.assert_close(scaled, autograd, rtol=0.01, atol=0.01 * exact.abs().max().item())
+
     def lost_rows(g):  # tokens whose gradient rounded away entirely
         return int((g.abs().sum(dim=1) == 0).sum())
 
     assert lost_rows(exact) == 0 and lost_rows(scaled) == lost_rows(autograd) < lost_rows(unscaled)
 
 
-def test_fp16_training_passes_the_scalers_scale_to_the_loss(tiny_model, one_thread, monkeypatch):
-    """The step hands the loss the scaler's current scale (no sync: a tensor); the gradients then equal
-    those of the recomputed chunks."""
+def test_fp16_given_the_scalers_scale_the_loss_takes_the_fused_path(tiny_model, one_thread, monkeypatch):
+    """Handed a GradScaler's scale as a tensor, causal_lm_loss computes the head's gradient in forward
+    with scale / target tokens, and the adapters' gradients equal those of the recomputed chunks."""
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=4, lora_dropout=0.0,
                                                                                        init_lora_weights=False))
