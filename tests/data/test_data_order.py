@@ -21,7 +21,7 @@ from row_tokens import tokenize
 
 from relaytune.config.schema import TrainConfig
 from relaytune.data import IGNORE, TokenRow
-from relaytune.data.batches import DataOrder, count_targets, micro_batches
+from relaytune.data.batches import DataOrder, count_targets, micro_batches, to_device
 from relaytune.data.formats import RawRow, normalise
 from relaytune.model import choose_precision, load_model
 from relaytune.tiny import make_tokenizer
@@ -226,3 +226,17 @@ def _row_loss(model, r: TokenRow) -> float:
         logits = model(input_ids=ids).logits[0, :-1].float()
         labels = torch.tensor(r.labels.tolist())[1:]
         return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum").item()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned, non-blocking copy is the GPU's path"))])
+def test_a_micro_batch_reaches_the_device_unchanged(device):
+    rows = [TokenRow([5, 6, 7, 8], [IGNORE, 6, 7, 8], segments=(2, 2)), TokenRow([9, 10], [IGNORE, 10])]
+    host = next(micro_batches(rows, 2, pad_id=0, width=6))
+    moved = to_device(host, torch.device(device))
+    assert list(moved) == list(host) == ["input_ids", "labels", "position_ids"]
+    for key, tensor in moved.items():
+        assert tensor.device.type == device and tensor.dtype == torch.long
+        assert torch.equal(tensor.cpu(), host[key]), key  # .cpu() waits for a non-blocking copy on its stream
+    # The padding after a row is a sample of its own, with positions of its own (`collate`).
+    assert moved["position_ids"].cpu().tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 0, 1, 2, 3]]

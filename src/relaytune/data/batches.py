@@ -67,6 +67,15 @@ def micro_batches(rows: list[TokenRow], micro_batch_size: int, pad_id: int, flat
         yield collate(rows[start:start + micro_batch_size], pad_id, flat, width)
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch on `device`. A GPU gets it through pinned memory, without the host waiting:
+    a copy from pageable memory first synchronises the stream, so the host would wait for the GPU to
+    finish the previous micro-batch before it could queue this one's kernels."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def collate(rows: list[TokenRow], pad_id: int, flat: bool = False,
             width: int | None = None) -> dict[str, torch.Tensor]:
     """Pad a micro-batch. Packed rows get per-sample position_ids and no attention_mask:

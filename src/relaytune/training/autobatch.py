@@ -236,7 +236,7 @@ def trial_step(parts, rows: list) -> int | None:
     The RNG state is saved and restored, the gradients dropped, and the model's train/eval mode put back,
     so nothing the run computes afterwards depends on whether this ran. A torch.OutOfMemoryError propagates."""
     from relaytune.checkpoint.state import capture_rng, reset_rng
-    from relaytune.data.batches import collate, count_targets
+    from relaytune.data.batches import collate, count_targets, to_device
     from relaytune.training.loss import causal_lm_loss
 
     model, precision = parts.model, parts.precision
@@ -248,7 +248,7 @@ def trial_step(parts, rows: list) -> int | None:
                 if precision.autocast else contextlib.nullcontext())
     try:
         model.train()  # checkpointing and dropout act in training mode only
-        batch = {k: v.to(precision.device) for k, v in collate(rows, parts.pad_id, width=parts.width).items()}
+        batch = to_device(collate(rows, parts.pad_id, width=parts.width), precision.device)
         with autocast:
             loss = causal_lm_loss(model, batch, count_targets(rows), chunked=parts.chunked,
                                   loss_scale=parts.loss_scale())

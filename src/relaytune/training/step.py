@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relaytune import faults
-from relaytune.data.batches import count_targets, micro_batches
+from relaytune.data.batches import count_targets, micro_batches, to_device
 from relaytune.distributed import agree, fsdp
 from relaytune.distributed.world import World, current
 from relaytune.model import Precision
@@ -81,7 +81,7 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
     scale = parts.loss_scale()
     done = 0
     for i, batch in enumerate(micro_batches(rows, micro_batch_size, parts.pad_id, width=parts.width)):
-        batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
+        batch = to_device(batch, parts.precision.device)
         if faults.oom_now(step, i):
             raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
         with autocast:
@@ -92,8 +92,7 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
         total_loss += loss.detach().float()
         done += 1
     for _ in range(passes - done):
-        batch = next(micro_batches(filler, 1, parts.pad_id, width=parts.width))
-        batch = {k: v.to(parts.precision.device) for k, v in batch.items()}
+        batch = to_device(next(micro_batches(filler, 1, parts.pad_id, width=parts.width)), parts.precision.device)
         with autocast:
             (causal_lm_loss(parts.model, batch, n_targets, chunked=parts.chunked, loss_scale=scale) * 0.0).backward()
     return total_loss
