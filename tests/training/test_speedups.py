@@ -23,7 +23,7 @@ from relaytune.data.packing import check_isolation, concat
 from relaytune.data.rows import TokenRow
 from relaytune.layers import decoder_layers, is_compiled
 from relaytune.model import choose_precision, load_model
-from relaytune.training import mfu, speedups
+from relaytune.training import document_mask, mfu, speedups
 from relaytune.training.loss import causal_lm_loss
 
 COMPILE_RTOL = 1e-4  # measured <= 3e-6 (grad norm), 2e-7 (loss)
@@ -136,12 +136,12 @@ def test_flex_equals_sdpa_on_a_packed_batch_and_keeps_samples_apart(tiny_model, 
                                                    reduction="sum").item() / n
         assert abs(leaked - sdpa) > 10 * FLEX_RTOL * abs(sdpa)  # measured ~5e-4 relative
         masks = []
-        real = speedups.document_block_mask
-        speedups.document_block_mask = lambda pos: masks.append(real(pos)) or masks[-1]
+        real = document_mask.document_block_mask
+        document_mask.document_block_mask = lambda pos: masks.append(real(pos)) or masks[-1]
         try:
             flex = causal_lm_loss(model, batch, n).item()
         finally:
-            speedups.document_block_mask = real
+            document_mask.document_block_mask = real
         assert len(masks) == 1, "one mask per batch, not per layer"
         assert abs(flex - sdpa) <= FLEX_RTOL * abs(sdpa), (flex, sdpa)
         assert check_isolation(model) is None

@@ -14,9 +14,10 @@ safe: whatever cannot run here is left off with a notice, never a crash.
 - attention (packed batches; auto: on Hopper-class GPUs, see flex_decision): the model's attention
   becomes `relaytune_flex`, which runs FlexAttention when it is handed a BlockMask and SDPA
   otherwise. Packed micro-batches are padded to max_seq_length (`batch_width`). A forward pre-hook on the
-  decoder builds one BlockMask per batch from the packed position_ids (causal AND same document)
-  and passes it as the attention mask, which transformers hands unchanged to every layer. Padded
-  batches (they come with an attention_mask) keep SDPA and its fast path.
+  decoder builds one BlockMask per batch from the packed position_ids (causal AND same document,
+  `training/document_mask.py`) and passes it as the attention mask, which transformers hands
+  unchanged to every layer. Padded batches (they come with an attention_mask) keep SDPA and its
+  fast path.
 
 On the CPU both default to off. torch_compile: true works there (inductor C++); FlexAttention has
 no backward on the CPU, so attention: flex falls back to SDPA for training there.
@@ -34,6 +35,7 @@ import torch
 from relaytune.layers import compile_layers, decoder_layers, is_compiled, uncompile_layers
 from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears
 from relaytune.log import info, notice, warn
+from relaytune.training import document_mask
 
 RECOMPILE_LIMIT = 16  # graphs per compiled code object: train/eval x a few shapes; beyond it, eager
 ATTENTION_NAME = "relaytune_flex"
@@ -352,27 +354,5 @@ def _document_mask_hook(module, args, kwargs):
     pos = kwargs.get("position_ids")
     if pos is None or pos.dim() != 2:
         return None
-    kwargs["attention_mask"] = document_block_mask(pos)
+    kwargs["attention_mask"] = document_mask.document_block_mask(pos)
     return args, kwargs
-
-
-def document_block_mask(position_ids: torch.Tensor):
-    """One BlockMask for a packed batch: causal and within the same document, documents being the
-    runs of position_ids that restart at 0 (data/batches.document_ids)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from relaytune.data.batches import document_ids
-
-    doc = document_ids(position_ids)
-    batch, length = doc.shape
-
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
-
-    if doc.is_cuda:  # compiled: never materialises B x S x S
-        try:
-            return create_block_mask(same_document_causal, batch, None, length, length, device=doc.device,
-                                     _compile=True)
-        except TypeError:
-            pass
-    return create_block_mask(same_document_causal, batch, None, length, length, device=doc.device)
