@@ -164,8 +164,8 @@ def report(args, results: list[dict], notes: list[str], header: str) -> str:
     by = {r["system"]: r for r in results}
     rt = by.get("relaytune", {})
     lines = [header, "",
-             "| system | micro-batch | tok/s | peak allocated GiB | peak reserved GiB | tok/s vs relaytune | "
-             "peak alloc vs relaytune |",
+             "| system | micro-batch | tok/s | peak allocated GiB | peak reserved GiB | relaytune's tok/s / this | "
+             "relaytune's peak alloc / this |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
