@@ -70,3 +70,23 @@ def _assert_same(got, want) -> None:
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
     assert torch.equal(got.to_dense(), want.to_dense())
+
+
+def test_a_torch_without_seq_lengths_gets_create_block_masks_mask(monkeypatch):
+    """An older from_kv_blocks refuses seq_lengths: the mask comes from create_block_mask instead
+    (which, in such a torch, builds it without seq_lengths; here the refusal is the first call only)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    pos = _positions([(100, 200, 33), (333,)], 333)
+    want = _reference(pos, 128)
+    real, refused = BlockMask.from_kv_blocks.__func__, []
+
+    def old_signature(cls, *args, **kwargs):
+        if not refused:
+            refused.append(kwargs.get("seq_lengths"))
+            raise TypeError("from_kv_blocks() got an unexpected keyword argument 'seq_lengths'")
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(BlockMask, "from_kv_blocks", classmethod(old_signature))
+    _assert_same(document_block_mask(pos, 128), want)
+    assert refused == [(333, 333)]

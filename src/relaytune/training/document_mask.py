@@ -34,8 +34,23 @@ def document_block_mask(position_ids: torch.Tensor, block: int = BLOCK):
     partial, full = _tile_kinds(doc, block)
     kv_num, kv_index = _ordered(partial)
     full_num, full_index = _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=(block, block),
-                                    mask_mod=same_document_causal, seq_lengths=(length, length))
+    try:
+        return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=(block, block),
+                                        mask_mod=same_document_causal, seq_lengths=(length, length))
+    except TypeError:  # a torch whose from_kv_blocks takes no seq_lengths: let torch build it
+        return _created(same_document_causal, batch, length, block, doc.device)
+
+
+def _created(mask_mod, batch: int, length: int, block: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if device.type == "cuda":  # compiled: never materialises B x S x S
+        try:
+            return create_block_mask(mask_mod, batch, None, length, length, device=device, BLOCK_SIZE=block,
+                                     _compile=True)
+        except TypeError:
+            pass
+    return create_block_mask(mask_mod, batch, None, length, length, device=device, BLOCK_SIZE=block)
 
 
 def _tile_kinds(doc: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
