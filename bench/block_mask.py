@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from relaytune.data.batches import document_ids  # noqa: E402
 from relaytune.data.packing import position_ids  # noqa: E402
-from relaytune.training.document_mask import document_block_mask  # noqa: E402
+from relaytune.training.document_mask import document_block_mask, torch_block_mask  # noqa: E402
 
 
 def packed_positions(batch: int, seq: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -35,15 +34,6 @@ def packed_positions(batch: int, seq: int, device: str, seed: int = 0) -> torch.
             left -= segments[-1]
         rows.append(position_ids(tuple(segments), seq))
     return torch.from_numpy(np.stack(rows)).long().to(device)
-
-
-def create_block_mask_as_before(pos: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    doc = document_ids(pos)
-    b, s = doc.shape
-    return create_block_mask(lambda b_, h, q, kv: (q >= kv) & (doc[b_, q] == doc[b_, kv]), b, None, s, s,
-                             device=doc.device, _compile=doc.is_cuda)
 
 
 def median_ms(build, pos: torch.Tensor, repeats: int) -> float:
@@ -67,7 +57,7 @@ def main() -> None:
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pos = packed_positions(args.batch, args.seq, device)
-    ours, theirs = document_block_mask(pos), create_block_mask_as_before(pos)
+    ours, theirs = document_block_mask(pos), torch_block_mask(pos)
     fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
               "full_q_num_blocks", "full_q_indices")
     equal = all(torch.equal(getattr(ours, f), getattr(theirs, f)) for f in fields)
@@ -76,7 +66,7 @@ def main() -> None:
     print(f"| builder | ms per build (median of {args.repeats}) |\n|---|---|")
     print(f"| relaytune document_block_mask | {median_ms(document_block_mask, pos, args.repeats):.3f} |")
     print(f"| create_block_mask{' (compiled)' if device == 'cuda' else ''} | "
-          f"{median_ms(create_block_mask_as_before, pos, args.repeats):.3f} |")
+          f"{median_ms(torch_block_mask, pos, args.repeats):.3f} |")
     print(f"\n- equal tensor for tensor: {equal}")
 
 

@@ -26,31 +26,38 @@ def document_block_mask(position_ids: torch.Tensor, block: int = BLOCK):
     from torch.nn.attention.flex_attention import BlockMask
 
     doc = document_ids(position_ids)
-    batch, length = doc.shape
-
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
-
+    length = doc.shape[1]
     partial, full = _tile_kinds(doc, block)
     kv_num, kv_index = _ordered(partial)
     full_num, full_index = _ordered(full)
     try:
         return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=(block, block),
-                                        mask_mod=same_document_causal, seq_lengths=(length, length))
+                                        mask_mod=_same_document_causal(doc), seq_lengths=(length, length))
     except TypeError:  # a torch whose from_kv_blocks takes no seq_lengths: let torch build it
-        return _created(same_document_causal, batch, length, block, doc.device)
+        return torch_block_mask(position_ids, block)
 
 
-def _created(mask_mod, batch: int, length: int, block: int, device: torch.device):
+def torch_block_mask(position_ids: torch.Tensor, block: int = BLOCK):
+    """The same BlockMask from torch's `create_block_mask`, compiled on a GPU (it never materialises
+    B x S x S there): the fallback above, and what bench/block_mask.py times against."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if device.type == "cuda":  # compiled: never materialises B x S x S
+    doc = document_ids(position_ids)
+    batch, length = doc.shape
+    args = (_same_document_causal(doc), batch, None, length, length)
+    if doc.is_cuda:
         try:
-            return create_block_mask(mask_mod, batch, None, length, length, device=device, BLOCK_SIZE=block,
-                                     _compile=True)
+            return create_block_mask(*args, device=doc.device, BLOCK_SIZE=block, _compile=True)
         except TypeError:
             pass
-    return create_block_mask(mask_mod, batch, None, length, length, device=device, BLOCK_SIZE=block)
+    return create_block_mask(*args, device=doc.device, BLOCK_SIZE=block)
+
+
+def _same_document_causal(doc: torch.Tensor):
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    return same_document_causal
 
 
 def _tile_kinds(doc: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
