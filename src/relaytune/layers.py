@@ -32,16 +32,83 @@ class LayerForward:
         self.eager = type(layer).forward  # unbound: the layer is its first argument, as in the class
         self.run = self.eager
         self.checkpoint = None
+        self.graphed = False  # `run` replays CUDA graphs: checkpoint with RecomputedLayer instead
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
         if self.checkpoint is not None and layer.training and torch.is_grad_enabled():
+            if self.graphed and RecomputedLayer.can_run(args, kwargs):
+                return RecomputedLayer.apply(args[0], self, kwargs)
             return self.checkpoint(self.run, layer, *args, **kwargs)
         return self.run(layer, *args, **kwargs)
 
     @property
     def compiled(self) -> bool:
         return self.run is not self.eager
+
+
+class RecomputedLayer(torch.autograd.Function):
+    """A checkpointed layer whose forward and recompute may replay CUDA graphs (cudagraph trees).
+
+    torch.utils.checkpoint cannot wrap them: its recompute runs a forward while the first forward's
+    backward is pending, and the trees then free outputs still in use (the layer inputs it saved).
+    Here the first forward runs under no_grad (an inference graph) and its output is cloned out of
+    the graphs' memory pool; backward restores the RNG (the same dropout masks), recomputes with
+    gradients, and hands back clones of the input's gradient and the adapters' gradients, so nothing
+    outside keeps a tensor that the next replay overwrites. Only the layer's input gets a gradient:
+    `can_run` leaves every other case to the ordinary checkpoint."""
+
+    @staticmethod
+    def can_run(args, kwargs) -> bool:
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return False
+        values = [v for value in kwargs.values() for v in (value if isinstance(value, (tuple, list)) else (value,))]
+        return not any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+
+    @staticmethod
+    def forward(ctx, hidden, forward: LayerForward, kwargs):
+        ctx.forward, ctx.kwargs = forward, kwargs
+        ctx.rng = _rng_states(hidden.device)
+        ctx.save_for_backward(hidden)
+        with torch.no_grad():
+            out = forward.run(forward.layer, hidden, **kwargs)
+        return _map_tensors(out, torch.clone)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (saved,) = ctx.saved_tensors
+        hidden = saved.detach().requires_grad_(saved.requires_grad)
+        layer = ctx.forward.layer
+        params = [p for p in layer.parameters() if p.requires_grad]
+        with torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []):
+            _set_rng_states(hidden.device, ctx.rng)
+            with torch.enable_grad():
+                out = ctx.forward.run(layer, hidden, **ctx.kwargs)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        inputs = ([hidden] if hidden.requires_grad else []) + params
+        got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+        for param, grad in zip(params, got[len(inputs) - len(params):]):
+            if grad is not None:
+                param.grad = grad.clone() if param.grad is None else param.grad.add_(grad)
+        return (got[0].clone() if hidden.requires_grad and got[0] is not None else None), None, None
+
+
+def _map_tensors(out, fn):
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    return type(out)(fn(o) if isinstance(o, torch.Tensor) else o for o in out)
+
+
+def _rng_states(device: torch.device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_states(device: torch.device, states) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def layer_forward(layer: torch.nn.Module) -> LayerForward:
@@ -63,21 +130,28 @@ def take_over_checkpointing(model) -> None:
             layer.gradient_checkpointing = False  # transformers' own check: it no longer checkpoints
 
 
-def compile_layers(layers: list[torch.nn.Module]) -> None:
+def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False) -> None:
     """Compiles each layer's forward (regional compilation); the checkpoint stays outside. Layers of
-    one class share one compiled function and so one graph: the layer is an input, not a constant."""
+    one class share one compiled function and so one graph: the layer is an input, not a constant.
+
+    `cuda_graphs`: the compiled forward and backward replay CUDA graphs, checkpointed by
+    RecomputedLayer. Inductor draws random numbers with ATen's generator there (`fallback_random`),
+    so the no_grad forward and the recompute, two different graphs, draw the same dropout masks."""
+    options = {"triton.cudagraphs": True, "fallback_random": True} if cuda_graphs else None
     compiled: dict[object, object] = {}
     for layer in layers:
         current = layer_forward(layer)
         if current.eager not in compiled:
-            compiled[current.eager] = torch.compile(current.eager)
+            compiled[current.eager] = torch.compile(current.eager, options=options)
         current.run = compiled[current.eager]
+        current.graphed = cuda_graphs
 
 
 def uncompile_layers(layers: list[torch.nn.Module]) -> None:
     for layer in layers:
         current = layer_forward(layer)
         current.run = current.eager
+        current.graphed = False
 
 
 def is_compiled(layer: torch.nn.Module) -> bool:

@@ -17,7 +17,7 @@ BATCH, SEQ = 2, 24
 
 def _model(tiny_model, tmp_path, **kw):
     cfg = TrainConfig(model=str(tiny_model), dataset="unused.jsonl", output_dir=str(tmp_path / "run"),
-                      lora_dropout=0.0, **kw)
+                      **{"lora_dropout": 0.0, **kw})
     torch.manual_seed(0)
     model = load_model(cfg, choose_precision(cfg))
     model.train()
@@ -86,3 +86,82 @@ def test_a_compiled_checkpointed_layer_saves_only_its_inputs(tiny_model, tmp_pat
         return sorted(saved, key=str)
 
     assert saved_shapes(True) == saved_shapes(False)
+
+
+def _graphed(model) -> list:
+    """Every layer checkpointed by RecomputedLayer, its forwards recorded: (layer, grad enabled, output)."""
+    calls = []
+    for i, layer in enumerate(decoder_layers(model)):
+        current = layer_forward(layer)
+        current.graphed = True
+
+        def run(*a, _run=current.run, _i=i, **kw):
+            out = _run(*a, **kw)
+            calls.append((_i, torch.is_grad_enabled(), out))
+            return out
+        current.run = run
+    return calls
+
+
+def test_the_graph_checkpoint_gives_the_ordinary_checkpoints_gradients_with_dropout(tiny_model, tmp_path,
+                                                                                    one_thread):
+    """RecomputedLayer (the checkpoint for CUDA-graphed layers) draws the same dropout masks in its
+    recompute, so its loss and gradients are the ordinary checkpoint's bit for bit; accumulation adds."""
+    def run(graphed: bool, backwards: int = 1):
+        model = _model(tiny_model, tmp_path, gradient_checkpointing=True, lora_dropout=0.3)
+        calls = _graphed(model) if graphed else []
+        torch.manual_seed(5)
+        for _ in range(backwards):
+            loss, grads = _loss_and_grads(model)
+        return loss, grads, calls
+
+    loss, grads, _ = run(False)
+    graphed_loss, graphed_grads, calls = run(True)
+    assert torch.equal(loss, graphed_loss)
+    assert grads.keys() == graphed_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        assert torch.equal(grad, graphed_grads[name]), name
+    assert [(i, grad) for i, grad, _ in calls] == [(0, False), (1, False), (1, True), (0, True)], \
+        "the forward under no_grad, then each layer's recompute with gradients in backward"
+    no_dropout = _model(tiny_model, tmp_path, gradient_checkpointing=True)
+    _graphed(no_dropout)
+    torch.manual_seed(5)
+    plain = _loss_and_grads(no_dropout)[1]
+    # LoRA's B starts at zero, so dropout changes no loss yet, but it changes B's gradients.
+    assert any(not torch.equal(plain[n], g) for n, g in grads.items() if "lora_B" in n), "dropout acted"
+
+    _, twice, _ = run(False, backwards=2)  # the second backward adds into the gradients of the first
+    _, graphed_twice, _ = run(True, backwards=2)
+    for name, grad in twice.items():
+        assert torch.equal(grad, graphed_twice[name]), name
+        assert "lora_A" in name or not torch.equal(grad, grads[name]), name  # A's gradients are 0 while B is
+
+
+def test_the_graph_checkpoint_hands_out_no_tensor_a_replay_would_overwrite(tiny_model, tmp_path, one_thread):
+    model = _model(tiny_model, tmp_path, gradient_checkpointing=True)
+    calls = _graphed(model)
+    kept = []
+    base = model.get_base_model().model
+    handle = base.layers[1].register_forward_hook(lambda mod, args, kwargs, out: kept.append((args[0], out)),
+                                                  with_kwargs=True)
+    grads_in = []
+    hook = base.layers[1].register_full_backward_hook(lambda mod, gin, gout: grads_in.append(gin[0]))
+    _loss_and_grads(model)
+    handle.remove()
+    hook.remove()
+    first_forward_outputs = {i: out for i, grad, out in calls if not grad}
+    layer1_input, layer1_output = kept[0]
+    assert layer1_output.data_ptr() != first_forward_outputs[1].data_ptr(), "the output is a clone"
+    assert layer1_input.data_ptr() != first_forward_outputs[0].data_ptr(), "so is the next layer's input"
+    recompute_outputs = [out for _, grad, out in calls if grad]
+    assert all(g is None or g.data_ptr() != o.data_ptr() for g in grads_in for o in recompute_outputs)
+
+
+def test_the_graph_checkpoint_leaves_a_layer_with_another_gradient_input_to_the_ordinary_one():
+    from relaytune.layers import RecomputedLayer
+
+    hidden = torch.ones(2, 3, requires_grad=True)
+    assert RecomputedLayer.can_run((hidden,), {"position_embeddings": (torch.ones(3), torch.ones(3))})
+    assert not RecomputedLayer.can_run((hidden,), {"encoder_states": torch.ones(3, requires_grad=True)})
+    assert not RecomputedLayer.can_run((hidden,), {"pair": (torch.ones(3, requires_grad=True), None)})
+    assert not RecomputedLayer.can_run((hidden, torch.ones(3)), {})

@@ -121,15 +121,25 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         return []
     configure_dynamo()
     WarmUpTimer.install(model)
+    graphs = _cuda_graphs(cfg, precision)
     try:
-        compile_layers(layers)
+        compile_layers(layers, cuda_graphs=graphs)
         fused = fuse_4bit_linears(layers, precision.autocast)
     except Exception:
         uncompile_layers(layers)  # all or none
         unfuse_4bit_linears(layers)
         raise
     return [f"torch.compile on each of {len(layers)} decoder layers"
-            + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "")]
+            + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "") + (", CUDA graphs" if graphs else "")]
+
+
+def _cuda_graphs(cfg, precision) -> bool:
+    """CUDA graphs for the compiled layers: an experiment (RELAYTUNE_CUDA_GRAPHS=1), on one GPU with
+    the checkpoint kept on it (FSDP's hooks and offloaded inputs need the ordinary checkpoint)."""
+    if os.environ.get("RELAYTUNE_CUDA_GRAPHS") != "1" or precision.device.type != "cuda":
+        return False
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed and not getattr(cfg, "offload_activations", False)
 
 
 def batch_width(model, cfg) -> int | None:
