@@ -40,6 +40,8 @@ class LayerForward:
             if self.graphed and RecomputedLayer.can_run(args, kwargs):
                 return RecomputedLayer.apply(args[0], self, kwargs)
             return self.checkpoint(self.run, layer, *args, **kwargs)
+        if self.graphed:  # each call overwrites the last one's output: the next layer still reads it
+            return _map_tensors(self.run(layer, *args, **kwargs), torch.clone)
         return self.run(layer, *args, **kwargs)
 
     @property

@@ -189,3 +189,16 @@ def test_compiled_for_cuda_graphs_the_layers_draw_eagers_dropout_masks(tiny_mode
     for name, grad in grads.items():
         torch.testing.assert_close(graphed_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
     assert any(grad.abs().max() > 1e-4 for name, grad in grads.items() if "lora_B" in name)
+
+
+def test_a_graphed_layer_hands_out_a_copy_in_evaluation_too(tiny_model, tmp_path):
+    model = _model(tiny_model, tmp_path, gradient_checkpointing=True)
+    calls = _graphed(model)
+    model.eval()
+    kept = []
+    handle = decoder_layers(model)[0].register_forward_hook(lambda mod, args, out: kept.append(out))
+    with torch.no_grad():
+        model(**_batch(model.config.vocab_size))
+    handle.remove()
+    assert [(i, grad) for i, grad, _ in calls] == [(0, False), (1, False)]
+    assert kept[0].data_ptr() != calls[0][2].data_ptr() and torch.equal(kept[0], calls[0][2])

@@ -135,11 +135,13 @@ def _apply_compile(model, cfg, precision) -> list[str]:
 
 def _cuda_graphs(cfg, precision) -> bool:
     """CUDA graphs for the compiled layers: an experiment (RELAYTUNE_CUDA_GRAPHS=1), on one GPU with
-    the checkpoint kept on it (FSDP's hooks and offloaded inputs need the ordinary checkpoint)."""
+    gradient checkpointing, its inputs kept on the GPU: RecomputedLayer is what makes graphs safe in
+    training, and FSDP's hooks and offloaded inputs need the ordinary checkpoint."""
     if os.environ.get("RELAYTUNE_CUDA_GRAPHS") != "1" or precision.device.type != "cuda":
         return False
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return not distributed and not getattr(cfg, "offload_activations", False)
+    checkpointed = getattr(cfg, "gradient_checkpointing", False) is True
+    return checkpointed and not distributed and not getattr(cfg, "offload_activations", False)
 
 
 def batch_width(model, cfg) -> int | None:
