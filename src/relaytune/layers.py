@@ -55,10 +55,10 @@ class RecomputedLayer(torch.autograd.Function):
     torch.utils.checkpoint cannot wrap them: its recompute runs a forward while the first forward's
     backward is pending, and the trees then free outputs still in use (the layer inputs it saved).
     Here the first forward runs under no_grad (an inference graph) and its output is cloned out of
-    the graphs' memory pool; backward restores the RNG (the same dropout masks), recomputes with
-    gradients, and hands back clones of the input's gradient and the adapters' gradients, so nothing
-    outside keeps a tensor that the next replay overwrites. Only the layer's input gets a gradient:
-    `can_run` leaves every other case to the ordinary checkpoint."""
+    the graphs' memory pool; backward restores the RNG (the same dropout masks) and the autocast
+    state, recomputes with gradients, and hands back clones of the input's gradient and the
+    adapters' gradients, so nothing outside keeps a tensor that the next replay overwrites. Only the
+    layer's input gets a gradient: `can_run` leaves every other case to the ordinary checkpoint."""
 
     @staticmethod
     def can_run(args, kwargs) -> bool:
@@ -71,6 +71,9 @@ class RecomputedLayer(torch.autograd.Function):
     def forward(ctx, hidden, forward: LayerForward, kwargs):
         ctx.forward, ctx.kwargs = forward, kwargs
         ctx.rng = _rng_states(hidden.device)
+        device = hidden.device.type  # backward runs outside the caller's autocast: recompute under it
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device), cache_enabled=torch.is_autocast_cache_enabled())
         ctx.save_for_backward(hidden)
         with torch.no_grad():
             out = forward.run(forward.layer, hidden, **kwargs)
@@ -84,7 +87,7 @@ class RecomputedLayer(torch.autograd.Function):
         params = [p for p in layer.parameters() if p.requires_grad]
         with torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []):
             _set_rng_states(hidden.device, ctx.rng)
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 out = ctx.forward.run(layer, hidden, **ctx.kwargs)
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]

@@ -137,6 +137,26 @@ def test_the_graph_checkpoint_gives_the_ordinary_checkpoints_gradients_with_drop
         assert "lora_A" in name or not torch.equal(grad, grads[name]), name  # A's gradients are 0 while B is
 
 
+def test_the_graph_checkpoint_recomputes_under_the_forwards_autocast(tiny_model, tmp_path, one_thread):
+    """Backward runs outside the caller's autocast; the recompute must not fall back to fp32."""
+    def run(graphed: bool):
+        model = _model(tiny_model, tmp_path, gradient_checkpointing=True, lora_dropout=0.3)
+        calls = _graphed(model) if graphed else []
+        torch.manual_seed(5)
+        batch = _batch(model.config.vocab_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss(model, batch, BATCH * (SEQ - 1))
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, calls
+
+    loss, grads, _ = run(False)
+    graphed_loss, graphed_grads, calls = run(True)
+    assert torch.equal(loss, graphed_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, graphed_grads[name]), name
+    assert len(calls) == 4  # each layer's no_grad forward and its recompute
+
+
 def test_the_graph_checkpoint_hands_out_no_tensor_a_replay_would_overwrite(tiny_model, tmp_path, one_thread):
     model = _model(tiny_model, tmp_path, gradient_checkpointing=True)
     calls = _graphed(model)
