@@ -39,7 +39,8 @@ class LayerForward:
         if self.checkpoint is not None and layer.training and torch.is_grad_enabled():
             if self.graphed and RecomputedLayer.can_run(args, kwargs):
                 return RecomputedLayer.apply(args[0], self, kwargs)
-            return self.checkpoint(self.run, layer, *args, **kwargs)
+            # The ordinary checkpoint cannot wrap graph replays: such a layer runs eagerly.
+            return self.checkpoint(self.eager if self.graphed else self.run, layer, *args, **kwargs)
         if self.graphed:  # each call overwrites the last one's output: the next layer still reads it
             return _map_tensors(self.run(layer, *args, **kwargs), torch.clone)
         return self.run(layer, *args, **kwargs)
