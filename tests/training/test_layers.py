@@ -222,3 +222,26 @@ def test_a_graphed_layer_hands_out_a_copy_in_evaluation_too(tiny_model, tmp_path
     handle.remove()
     assert [(i, grad) for i, grad, _ in calls] == [(0, False), (1, False)]
     assert kept[0].data_ptr() != calls[0][2].data_ptr() and torch.equal(kept[0], calls[0][2])
+
+
+def test_a_graphed_layer_the_graph_checkpoint_cannot_take_runs_eagerly_under_the_ordinary_one():
+    import functools
+
+    class Double(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x, **kwargs):
+            return x * self.w * 2
+
+    def replay(*args, **kwargs):
+        raise AssertionError("a graph replayed under torch.utils.checkpoint")
+
+    layer = Double()
+    current = layer_forward(layer)
+    current.checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    current.run, current.graphed = replay, True
+    hidden = torch.full((3,), 3.0, requires_grad=True)
+    layer(hidden, other=torch.ones(1, requires_grad=True)).sum().backward()  # `other` needs a gradient too
+    assert layer.w.grad.tolist() == [6.0, 6.0, 6.0] and hidden.grad.tolist() == [2.0, 2.0, 2.0]
