@@ -77,12 +77,21 @@ def child(args) -> None:
         sys.exit(75)
 
 
-def session(cfg: dict, args, stop_at: int | None = None) -> int:
+def session(cfg: dict, args, stop_at: int | None = None, log: Path | None = None) -> int:
+    """One training session in a child process (SIGTERM after `stop_at`); its stderr appended to `log`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.arch == "tiny" and stop_at is not None:
         env["RELAYTUNE_SLOW_STEP"] = "0.2"  # so the signal lands mid-run on a tiny model
     cmd = [sys.executable, __file__, "_child", "--cap-gib", str(args.cap_gib), "--cfg", json.dumps(cfg)]
-    proc = subprocess.Popen(cmd, env=env)
+    stderr = open(log, "a") if log else None  # noqa: SIM115  (closed below, after the child exits)
+    try:
+        return _wait(subprocess.Popen(cmd, env=env, stderr=stderr), cfg, stop_at)
+    finally:
+        if stderr:
+            stderr.close()
+
+
+def _wait(proc: subprocess.Popen, cfg: dict, stop_at: int | None) -> int:
     if stop_at is not None:
         metrics = Path(cfg["output_dir"]) / "metrics.jsonl"
         while proc.poll() is None:

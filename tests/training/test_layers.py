@@ -188,26 +188,29 @@ def test_the_graph_checkpoint_leaves_a_layer_with_another_gradient_input_to_the_
 
 
 @pytest.mark.slow  # inductor's C++ compile of a no_grad and a training graph: ~30 s on a 2-core machine
-def test_compiled_for_cuda_graphs_the_layers_draw_eagers_dropout_masks(tiny_model, tmp_path, one_thread):
-    """compile_layers(cuda_graphs=True) on the CPU (where Inductor skips the graphs themselves): the
-    no_grad forward and the recompute are two compiled graphs, and with ATen's random numbers
-    (`fallback_random`) both draw the masks eager draws, so the gradients are eager's up to rounding.
-    (With Inductor's own random numbers the two graphs drew different masks here: 0.048 apart.)"""
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["compiled", "compiled-for-graphs"])
+def test_compiled_layers_draw_eagers_dropout_masks(tiny_model, tmp_path, one_thread, cuda_graphs):
+    """Compiled layers draw random numbers with ATen's generator (`fallback_random`), so their dropout
+    masks are eager's and the gradients are eager's up to rounding. For CUDA graphs (compiled on the
+    CPU, where Inductor skips the graphs themselves) the no_grad forward and the recompute are two
+    compiled graphs, and both draw eager's masks. (With Inductor's own random numbers the two graphs
+    drew different masks here: 0.048 apart.)"""
     from relaytune.layers import compile_layers
 
-    def run(cuda_graphs: bool):
+    def run(compiled: bool):
         model = _model(tiny_model, tmp_path, gradient_checkpointing=True, lora_dropout=0.3)
-        if cuda_graphs:
-            compile_layers(decoder_layers(model), cuda_graphs=True)
-            assert all(is_compiled(layer) and layer_forward(layer).graphed for layer in decoder_layers(model))
+        if compiled:
+            compile_layers(decoder_layers(model), cuda_graphs=cuda_graphs)
+            assert all(is_compiled(layer) and layer_forward(layer).graphed == cuda_graphs
+                       for layer in decoder_layers(model))
         torch.manual_seed(5)
         return _loss_and_grads(model)
 
     loss, grads = run(False)
-    graphed_loss, graphed_grads = run(True)
-    torch.testing.assert_close(graphed_loss, loss, rtol=1e-6, atol=0)
+    compiled_loss, compiled_grads = run(True)
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-6, atol=0)
     for name, grad in grads.items():
-        torch.testing.assert_close(graphed_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
     assert any(grad.abs().max() > 1e-4 for name, grad in grads.items() if "lora_B" in name)
 
 

@@ -176,6 +176,19 @@ def refuse_contradictions(cfg) -> None:
     if cfg.offload_activations and cfg.gradient_checkpointing is False:
         raise ValueError("offload_activations: true moves the checkpointed layer inputs to the CPU, so it "
                          "needs gradient_checkpointing: true (or auto)")
+    if cfg.cuda_graphs is True:
+        _check_cuda_graphs(cfg)
+
+
+def _check_cuda_graphs(cfg) -> None:
+    """cuda_graphs: true with a setting it cannot run beside (the machine's own limits are notices)."""
+    needs = {"torch_compile: true (or auto)": cfg.torch_compile is not False,
+             "gradient_checkpointing: true (or auto)": cfg.gradient_checkpointing is not False,
+             "packing: true": cfg.packing, "offload_activations: false": not cfg.offload_activations}
+    missing = [name for name, ok in needs.items() if not ok]
+    if missing:
+        raise ValueError(f"cuda_graphs: true replays the compiled, checkpointed layers on fixed-width packed "
+                         f"batches, so it needs {', '.join(missing)}; set those, or cuda_graphs: auto")
 
 
 def settle_global_batch(cfg) -> None:

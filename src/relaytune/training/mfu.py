@@ -69,7 +69,7 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
-def _logical_numel(p: torch.Tensor) -> int:
+def logical_numel(p: torch.Tensor) -> int:
     """Elements of the weight a parameter stands for (bitsandbytes 4-bit packs two per byte)."""
     qs = getattr(p, "quant_state", None)
     shape = getattr(qs, "shape", None)
@@ -103,11 +103,11 @@ def flops_per_token(model, seq_len: int) -> FlopsPerToken:
         if p is embedding:
             continue
         if p.requires_grad:
-            trainable += _logical_numel(p)
+            trainable += logical_numel(p)
         else:
-            frozen += _logical_numel(p)
+            frozen += logical_numel(p)
     if head is not None and head.weight is embedding:
-        frozen += _logical_numel(embedding)  # the tied head is still a matmul (see the module docstring)
+        frozen += logical_numel(embedding)  # the tied head is still a matmul (see the module docstring)
     layers = int(config.num_hidden_layers)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)

@@ -36,6 +36,7 @@ from relaytune.layers import compile_layers, decoder_layers, is_compiled, uncomp
 from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears
 from relaytune.log import info, notice, warn
 from relaytune.training import document_mask
+from relaytune.training.cuda_graphs import graphs_decision
 
 RECOMPILE_LIMIT = 16  # graphs per compiled code object: train/eval x a few shapes; beyond it, eager
 ATTENTION_NAME = "relaytune_flex"
@@ -121,7 +122,9 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         return []
     configure_dynamo()
     WarmUpTimer.install(model)
-    graphs = _cuda_graphs(cfg, precision)
+    graphs, why = graphs_decision(cfg, precision.device, layers)
+    if why:
+        notice(f"cuda_graphs: off ({why})")
     try:
         compile_layers(layers, cuda_graphs=graphs)
         fused = fuse_4bit_linears(layers, precision.autocast)
@@ -131,17 +134,6 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         raise
     return [f"torch.compile on each of {len(layers)} decoder layers"
             + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "") + (", CUDA graphs" if graphs else "")]
-
-
-def _cuda_graphs(cfg, precision) -> bool:
-    """CUDA graphs for the compiled layers: an experiment (RELAYTUNE_CUDA_GRAPHS=1), on one GPU with
-    gradient checkpointing, its inputs kept on the GPU: RecomputedLayer is what makes graphs safe in
-    training, and FSDP's hooks and offloaded inputs need the ordinary checkpoint."""
-    if os.environ.get("RELAYTUNE_CUDA_GRAPHS") != "1" or precision.device.type != "cuda":
-        return False
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    checkpointed = getattr(cfg, "gradient_checkpointing", False) is True
-    return checkpointed and not distributed and not getattr(cfg, "offload_activations", False)
 
 
 def batch_width(model, cfg) -> int | None:

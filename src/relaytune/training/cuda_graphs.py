@@ -1,0 +1,71 @@
+"""When the compiled decoder layers replay CUDA graphs (`cuda_graphs`), and why not.
+
+A compiled layer call costs the host about 1.6 ms on the H200's host (the checkpoint's set-up,
+Dynamo's guards, AOTAutograd's wrappers, the kernels' Python launchers; `bench/results/
+host-overhead-h200.md`). When the GPU's own work in that call is shorter, the GPU waits on the host
+and the step is as long as the host's work. CUDA graphs replay the recorded kernels in one launch,
+which removes most of that host work; relaytune.layers.RecomputedLayer is the checkpoint that makes
+the replays safe in training. They cost memory (the graphs' private pool) and a longer warm-up.
+
+auto turns them on where a layer's forward, at the GPU's dense peak, is shorter than
+AUTO_MAX_LAYER_MS: there the host bounds the step, or a good part of it. Measured on one H200
+(bench/results/cuda-graphs-h200.md), QLoRA, packed: Qwen2.5-3B at seq 512, micro-batch 4 (0.32 ms at
+peak) ran 2.4x the tokens/s with graphs; at seq 2048, micro-batch 4 (1.28 ms), +12%; Llama-3-8B at
+seq 2048, micro-batch 2 (1.8 ms), no gain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relaytune.training.mfu import logical_numel, peak_flops
+
+AUTO_MAX_LAYER_MS = 1.5  # a decoder layer's forward at the GPU's peak, below which the host bounds the step
+
+
+def graphs_decision(cfg, device: torch.device, layers: list[torch.nn.Module]) -> tuple[bool, str | None]:
+    """(replay CUDA graphs?, why not, when the user asked for them or should know)."""
+    setting = getattr(cfg, "cuda_graphs", False)
+    if setting is False or not layers:
+        return False, None
+    asked = setting is True
+    blocker = _blocker(cfg, device)
+    if blocker:
+        return False, blocker if asked else None
+    if asked:
+        return True, None
+    ms = layer_forward_ms(layers[0], _tokens_per_micro_batch(cfg), device)
+    return ms is not None and ms < AUTO_MAX_LAYER_MS, None
+
+
+def _blocker(cfg, device: torch.device) -> str | None:
+    """What keeps graphs off on this machine and run (the static contradictions are config errors)."""
+    if device.type != "cuda":
+        return "CUDA graphs need a CUDA GPU"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "one GPU only (FSDP's hooks run between the layers' kernels)"
+    if getattr(cfg, "gradient_checkpointing", False) is not True:
+        return "gradient checkpointing is off: its checkpoint is what makes the replays safe in training"
+    if getattr(cfg, "offload_activations", False):
+        return "offload_activations copies the layer inputs between the replays"
+    if not getattr(cfg, "packing", False):
+        return "unpacked batches vary in width: each width would record graphs of its own"
+    return None
+
+
+def _tokens_per_micro_batch(cfg) -> int | None:
+    micro = getattr(cfg, "per_device_train_batch_size", None)
+    return micro * int(cfg.max_seq_length) if isinstance(micro, int) else None
+
+
+def layer_forward_ms(layer: torch.nn.Module, tokens: int | None, device: torch.device) -> float | None:
+    """A decoder layer's forward for `tokens` tokens at the GPU's dense peak: 2 FLOPs per weight per
+    token (attention's scores are left out: at most a few percent at these lengths). None for a GPU
+    whose peak relaytune does not know."""
+    if not tokens or device.type != "cuda":
+        return None
+    peak = peak_flops(torch.cuda.get_device_name(device))
+    if not peak:
+        return None
+    weights = sum(logical_numel(p) for p in layer.parameters() if p.dim() >= 2 or hasattr(p, "quant_state"))
+    return 2.0 * weights * tokens / peak * 1e3
