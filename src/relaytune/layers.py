@@ -158,6 +158,20 @@ def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False) -> 
         current.graphed = cuda_graphs
 
 
+def drop_cuda_graphs(layers: list[torch.nn.Module]) -> bool:
+    """Layers that replay CUDA graphs are compiled again without them, and the graphs and their
+    private memory pool are freed (after an OOM: the retry at a smaller micro-batch would record
+    new graphs beside the old ones). False when no layer replayed graphs."""
+    graphed = [layer for layer in layers if getattr(layer.__dict__.get("forward"), "graphed", False)]
+    if not graphed:
+        return False
+    compile_layers(graphed, cuda_graphs=False)
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+    return True
+
+
 def uncompile_layers(layers: list[torch.nn.Module]) -> None:
     for layer in layers:
         current = layer_forward(layer)

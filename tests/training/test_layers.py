@@ -248,3 +248,23 @@ def test_a_graphed_layer_the_graph_checkpoint_cannot_take_runs_eagerly_under_the
     hidden = torch.full((3,), 3.0, requires_grad=True)
     layer(hidden, other=torch.ones(1, requires_grad=True)).sum().backward()  # `other` needs a gradient too
     assert layer.w.grad.tolist() == [6.0, 6.0, 6.0] and hidden.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_after_an_oom_graphed_layers_compile_again_without_graphs_and_the_graphs_are_freed(
+        tiny_model, tmp_path, monkeypatch, capsys):
+    from relaytune.layers import compile_layers, drop_cuda_graphs
+    from relaytune.training.recovery import free_memory
+
+    model = _model(tiny_model, tmp_path, gradient_checkpointing=True)
+    layers = decoder_layers(model)
+    compile_layers(layers, cuda_graphs=True)  # torch.compile is lazy: nothing compiles until a call
+    resets = []
+    monkeypatch.setattr("torch._inductor.cudagraph_trees.reset_cudagraph_trees", lambda: resets.append(1))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    free_memory(optimizer, model)
+    assert all(is_compiled(layer) and not layer_forward(layer).graphed for layer in layers)
+    assert resets == [1]
+    assert "out of memory with CUDA graphs on: the layers run without them" in capsys.readouterr().err
+    assert drop_cuda_graphs(layers) is False and resets == [1]  # nothing left to drop
+    free_memory(optimizer, model)
+    assert "CUDA graphs" not in capsys.readouterr().err

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from relaytune.config.schema import TrainConfig
+from relaytune.layers import decoder_layers, drop_cuda_graphs
 from relaytune.log import warn
 
 GIB = 1024 ** 3
@@ -55,9 +56,13 @@ class NoSmallerBatch(Exception):
     """An OOM at micro-batch 1: nothing left to halve."""
 
 
-def free_memory(optimizer) -> None:
-    """Drop the partial gradients of the failed step and give cached memory back."""
+def free_memory(optimizer, model=None) -> None:
+    """Drop the partial gradients of the failed step and give cached memory back; compiled layers
+    that replay CUDA graphs stop replaying them for the rest of the session."""
     optimizer.zero_grad(set_to_none=True)
+    if model is not None and drop_cuda_graphs(decoder_layers(model)):
+        warn("out of memory with CUDA graphs on: the layers run without them for the rest of this session, "
+             "and the graphs' memory is freed")
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

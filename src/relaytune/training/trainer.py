@@ -286,7 +286,7 @@ class Trainer:
                 if self.parts.sharded:  # the peers wait in an all-gather: only a restart of all brings them back
                     continuation.restart_after_oom(self.run, self.recovery, self.cfg.global_batch_size,
                                                    self.state.step, e)
-                free_memory(self.live.optimizer)
+                free_memory(self.live.optimizer, self.live.model)
                 reset_rng(step_rng)
                 try:
                     old, new = shrink_after_oom(self.recovery, self.cfg.global_batch_size, self.state.step, e)
