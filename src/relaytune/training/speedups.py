@@ -10,7 +10,8 @@ safe: whatever cannot run here is left off with a notice, never a crash.
   warm-up is one layer's compile (printed after the first step). bitsandbytes' 4-bit linear layers
   in them run as torch ops when compiled (relaytune.linear4bit), so Inductor fuses dequantization.
   Recompilations are bounded (RECOMPILE_LIMIT) and logged; a compile error runs that code eagerly
-  (`torch._dynamo.config.suppress_errors`).
+  (`torch._dynamo.config.suppress_errors`). Where the host bounds the step, the compiled layers
+  replay CUDA graphs (`cuda_graphs`; when: training/cuda_graphs.py, how: layers.RecomputedLayer).
 - attention (packed batches; auto: on Hopper-class GPUs, see flex_decision): the model's attention
   becomes `relaytune_flex`, which runs FlexAttention when it is handed a BlockMask and SDPA
   otherwise. Packed micro-batches are padded to max_seq_length (`batch_width`). A forward pre-hook on the
