@@ -418,3 +418,32 @@ def test_the_head_counts_two_matmul_passes_since_its_gradient_is_computed_in_for
     arch = resolve_architecture(QWEN3B)
     now, then = flops_per_token(arch, 2048, True), flops_per_token(arch, 2048, True, loss_recomputed=True)
     assert then - now == 2 * arch.vocab_size * arch.hidden_size
+
+
+@pytest.mark.parametrize("model, seq, micro, gpu, replays", [
+    (QWEN3B, 512, 4, "H200", True),  # 0.32 ms of a layer's forward at the H200's peak: host-bound
+    (QWEN3B, 2048, 4, "H200", True),  # 1.28 ms
+    (LLAMA8B, 2048, 2, "H200", False),  # 1.8 ms: auto leaves graphs off
+    (QWEN3B, 512, 4, "T4", False),  # 4.9 ms at a T4's 65 TFLOP/s
+])
+def test_cuda_graphs_auto_counts_the_layer_inputs_once_more_where_the_layers_replay_graphs(
+        model, seq, micro, gpu, replays):
+    """Measured on an H200 (bench/results/cuda-graphs-h200.md): with graphs on, 36 more layer-input
+    clones were alive at the peak than without (Qwen2.5-3B QLoRA seq 512: 0.547 against 0.28 GiB)."""
+    from relaytune.config import TrainConfig
+
+    def plan(**kw):
+        cfg = TrainConfig(model=model, dataset="data.jsonl", output_dir="run", load_in_4bit=True, bf16=True,
+                          gradient_checkpointing=True, packing=True, max_seq_length=seq,
+                          per_device_train_batch_size=micro, optim="paged_adamw_8bit", **kw)
+        return make_plan(cfg, parse_gpu(gpu)).memory
+
+    arch = resolve_architecture(model)
+    auto, off = plan(), plan(cuda_graphs=False)
+    assert "CUDA graphs" not in off.parts
+    if replays:
+        assert auto.parts["CUDA graphs"] == arch.num_layers * micro * seq * 2 * arch.hidden_size
+        assert auto.total_allocated == off.total_allocated + auto.parts["CUDA graphs"]
+    else:
+        assert "CUDA graphs" not in auto.parts and auto.total_allocated == off.total_allocated
+    assert "CUDA graphs" in plan(cuda_graphs=True).parts  # asked for: whatever the layer's size

@@ -18,6 +18,8 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
 - saved activations, per layer and token: with gradient checkpointing the layer's input (a x h);
   without, everything autograd keeps (see `layer_saved_bytes`), which is less when torch_compile
   compiles each layer (Inductor recomputes the norms' upcast and the SiLU product in backward).
+- CUDA graphs (`cuda_graphs` in force at this micro-batch, with checkpointing): the layer inputs
+  once more, as measured on an H200 (bench/results/cuda-graphs-h200.md; why, not yet found).
 - the peak is reached either in the loss (all saved activations + one loss chunk of CHUNK_TOKENS
   labelled tokens: its logits in the compute dtype and in fp32, which become their own gradient in
   place, 6 bytes per logit, in forward; 12 bytes per logit when each chunk was recomputed in
@@ -90,6 +92,9 @@ class Settings:
     offload_activations: bool = False  # checkpointed layer inputs held in pinned CPU memory
     adapter_bytes: int = 4  # adapter_dtype: 4 for float32, 2 for bfloat16 (weights, gradients, AdamW moments)
     loss_recomputed: bool = False  # every loss chunk recomputed in backward (relaytune before 2026-12-02)
+    # cuda_graphs: the compiled layers replay CUDA graphs when one layer's forward is under this many FLOPs
+    # (auto: 1.5 ms at the GPU's peak; inf for true; 0 when they never run).
+    graphs_max_layer_flops: float = 0.0
 
 
 @dataclass
@@ -133,6 +138,8 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
     if gradient_checkpointing:
         parts["saved activations"] = tokens * OFFLOAD_RESIDUAL_PER_TOKEN if s.offload_activations \
             else arch.num_layers * tokens * a * arch.hidden_size
+        if replays_graphs(arch, s, tokens):
+            parts["CUDA graphs"] = arch.num_layers * tokens * a * arch.hidden_size
         layer_phase = {"recomputed layer": tokens * layer, "backward working set": working_set(arch, s, tokens)}
     else:
         parts["saved activations"] = arch.num_layers * tokens * layer
@@ -148,6 +155,12 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
         total_allocated=allocated, slack=int(SLACK_FRACTION * allocated),
         cuda_context=int(CUDA_CONTEXT_GIB * GIB), paged=opt_paged, micro_batch=micro_batch,
         gradient_checkpointing=gradient_checkpointing)
+
+
+def replays_graphs(arch: Architecture, s: Settings, tokens: int) -> bool:
+    """cuda_graphs in force at this micro-batch (training/cuda_graphs.py's rule, with checkpointing on)."""
+    layer_flops = 2 * tokens * sum(m.in_features * m.out_features for m in arch.layer_linears())
+    return not s.offload_activations and layer_flops < s.graphs_max_layer_flops
 
 
 def adapted_linears(arch: Architecture, targets) -> list:
@@ -307,4 +320,5 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
     return {"frozen weights": quant + rest, "LoRA parameters": f"{n_lora / 1e6:.1f} M in {adapter}",
             "LoRA gradients": adapter, "optimizer state": opt, "checkpoint staging": staging,
             "saved activations": saved, "recomputed layer": "one layer's activations, rebuilt in backward",
-            "backward working set": "gradients in flight in one layer's backward", "loss": loss}
+            "backward working set": "gradients in flight in one layer's backward", "loss": loss,
+            "CUDA graphs": "the layer inputs once more, as measured with cuda_graphs on (cause not yet found)"}

@@ -28,6 +28,7 @@ from relaytune.plan.memory import (
 )
 from relaytune.plan.sources import resolve_architecture
 from relaytune.plan.throughput import Eta, Throughput, estimate_eta, estimate_throughput
+from relaytune.training.cuda_graphs import AUTO_MAX_LAYER_MS
 
 CHECKPOINT_EXTRA = 64 * 1024  # trainer state, RNG states, metrics history and manifest, as measured
 UNLIMITED_KEEP = 10  # save_total_limit unset keeps every checkpoint; the preflight counts this many too
@@ -53,7 +54,22 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         lora_dropout=cfg.lora_dropout, save_only_model=cfg.save_only_model, labelled_fraction=labelled_fraction,
         compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu),
         offload_activations=bool(getattr(cfg, "offload_activations", False)),
-        adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4)
+        adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4,
+        graphs_max_layer_flops=graphs_max_layer_flops(cfg, gpu))
+
+
+def graphs_max_layer_flops(cfg, gpu: Gpu) -> float:
+    """One layer's forward FLOPs under which the layers replay CUDA graphs on this card, as
+    training/cuda_graphs.py decides (on one GPU, compiled, packed, nothing offloaded)."""
+    setting = getattr(cfg, "cuda_graphs", "auto")
+    runs = (setting is not False and compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu)
+            and getattr(cfg, "packing", False) and not getattr(cfg, "offload_activations", False)
+            and getattr(cfg, "num_gpus", 1) in (1, "auto") and getattr(cfg, "fsdp", False) is not True)
+    if not runs:
+        return 0.0
+    if setting is True:
+        return math.inf
+    return AUTO_MAX_LAYER_MS / 1e3 * gpu.tflops * 1e12 if gpu.tflops else 0.0
 
 
 def compiles_layers(setting, gpu: Gpu) -> bool:

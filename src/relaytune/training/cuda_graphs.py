@@ -16,9 +16,10 @@ seq 2048, micro-batch 2 (1.8 ms), no gain.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from relaytune.training.mfu import logical_numel, peak_flops
+if TYPE_CHECKING:  # torch is imported where it runs: the planner reads the rule below without it
+    import torch
 
 AUTO_MAX_LAYER_MS = 1.5  # a decoder layer's forward at the GPU's peak, below which the host bounds the step
 
@@ -38,8 +39,16 @@ def graphs_decision(cfg, device: torch.device, layers: list[torch.nn.Module]) ->
     return ms is not None and ms < AUTO_MAX_LAYER_MS, None
 
 
+def forward_ms(layer_weights: float, tokens: int, peak_flops: float) -> float:
+    """A decoder layer's forward for `tokens` tokens at `peak_flops`: 2 FLOPs per weight per token
+    (attention's scores are left out: at most a few percent at these lengths)."""
+    return 2.0 * layer_weights * tokens / peak_flops * 1e3
+
+
 def _blocker(cfg, device: torch.device) -> str | None:
     """What keeps graphs off on this machine and run (the static contradictions are config errors)."""
+    import torch
+
     if device.type != "cuda":
         return "CUDA graphs need a CUDA GPU"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -59,13 +68,15 @@ def _tokens_per_micro_batch(cfg) -> int | None:
 
 
 def layer_forward_ms(layer: torch.nn.Module, tokens: int | None, device: torch.device) -> float | None:
-    """A decoder layer's forward for `tokens` tokens at the GPU's dense peak: 2 FLOPs per weight per
-    token (attention's scores are left out: at most a few percent at these lengths). None for a GPU
-    whose peak relaytune does not know."""
+    """`forward_ms` of this layer's weights on this GPU; None for a GPU whose peak relaytune does not know."""
+    import torch
+
+    from relaytune.training.mfu import logical_numel, peak_flops
+
     if not tokens or device.type != "cuda":
         return None
     peak = peak_flops(torch.cuda.get_device_name(device))
     if not peak:
         return None
     weights = sum(logical_numel(p) for p in layer.parameters() if p.dim() >= 2 or hasattr(p, "quant_state"))
-    return 2.0 * weights * tokens / peak * 1e3
+    return forward_ms(weights, tokens, peak)
