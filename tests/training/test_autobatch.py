@@ -138,3 +138,16 @@ def test_auto_is_byte_identical_to_the_micro_batch_set_by_hand_and_resume_keeps_
     assert state["auto_choice"] == {"micro_batch_size": 6, "gradient_checkpointing": False, "device": "cpu",
                                     "total_memory": 0}
     assert state["recovery"]["micro_batch_size"] == 6 and state["recovery"]["accumulation"] == 2
+
+
+def test_the_planners_view_of_this_gpu_carries_its_peak_so_cuda_graphs_memory_is_counted(monkeypatch):
+    """planner_gpu() feeds the auto micro-batch: with the card's peak in it, the planner counts the
+    layer inputs held once more where the layers replay CUDA graphs (plan/memory.replays_graphs)."""
+    monkeypatch.setattr(autobatch, "device_identity", lambda: ("NVIDIA H200", 150_000_000_000))
+    monkeypatch.setattr(autobatch, "gpu_budget_bytes", lambda: 130 * 2**30)
+    monkeypatch.setattr(autobatch, "_compiles_here", lambda: True)
+    monkeypatch.setattr(autobatch.torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = autobatch.planner_gpu()
+    assert (gpu.tflops, gpu.compiles, gpu.bf16) == (989.0, True, True)
+    monkeypatch.setattr(autobatch, "device_identity", lambda: ("Some Future GPU", 150_000_000_000))
+    assert autobatch.planner_gpu().tflops is None

@@ -102,13 +102,16 @@ def gpu_budget_bytes() -> int:
 
 
 def planner_gpu():
-    """This GPU as the planner's `Gpu`: its usable memory now (CUDA context counted as the table does)."""
+    """This GPU as the planner's `Gpu`: its usable memory now (CUDA context counted as the table does),
+    and its dense peak where known (whether the layers replay CUDA graphs follows from it)."""
     from relaytune.plan.gpus import CUDA_CONTEXT_GIB, Gpu
+    from relaytune.training.mfu import peak_flops
 
     name, _ = device_identity()
     budget = gpu_budget_bytes() / GIB
-    return Gpu(f"{name} ({budget:.1f} GiB usable)", budget + CUDA_CONTEXT_GIB, torch.cuda.is_bf16_supported(), None,
-               compiles=_compiles_here())
+    peak = peak_flops(name)
+    return Gpu(f"{name} ({budget:.1f} GiB usable)", budget + CUDA_CONTEXT_GIB, torch.cuda.is_bf16_supported(),
+               peak / 1e12 if peak else None, compiles=_compiles_here())
 
 
 def _compiles_here() -> bool:
