@@ -9,7 +9,7 @@ Printed: the three loss curves every 10 steps, the largest difference of `on` ag
 `resume` against `on` after the stop, each run's median tokens/s after step 5 and peak memory, and
 whether each run's log says the graphs were (or were not) on.
 
-    python bench/graphs_proof.py                       # H200: about a minute per run at --steps 60
+    python bench/graphs_proof.py --steps 40            # H200: 55-80 s per run (four runs, 4 min in all)
     python bench/graphs_proof.py --phase on            # one phase at a time (each writes WORK/graphs/<phase>.json)
     python bench/graphs_proof.py --phase report        # combine what the phases wrote
     python bench/graphs_proof.py --arch tiny --steps 30  # CPU smoke test of this script (no graphs there)

@@ -53,8 +53,10 @@ class LayerForward:
 class RecomputedLayer(torch.autograd.Function):
     """A checkpointed layer whose forward and recompute may replay CUDA graphs (cudagraph trees).
 
-    torch.utils.checkpoint cannot wrap them: its recompute runs a forward while the first forward's
-    backward is pending, and the trees then free outputs still in use (the layer inputs it saved).
+    torch.utils.checkpoint around them failed on an H200 ("accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run"; bench/results/host-overhead-h200.md, 3b): as read, its
+    recompute runs a forward while the first forward's backward is pending, and the trees then free
+    outputs still in use.
     Here the first forward runs under no_grad (an inference graph) and its output is cloned out of
     the graphs' memory pool; backward restores the RNG (the same dropout masks) and the autocast
     state, recomputes with gradients, and hands back clones of the input's gradient and the
