@@ -425,6 +425,8 @@ def test_the_head_counts_two_matmul_passes_since_its_gradient_is_computed_in_for
     (QWEN3B, 2048, 4, "H200", True),  # 1.28 ms
     (LLAMA8B, 2048, 2, "H200", False),  # 1.8 ms: auto leaves graphs off
     (QWEN3B, 512, 4, "T4", False),  # 4.9 ms at a T4's 65 TFLOP/s
+    ("HuggingFaceTB/SmolLM2-135M", 512, 4, "L4", True),  # a small model: short layers even on an L4
+    ("HuggingFaceTB/SmolLM2-135M", 512, 4, "T4", False),  # as short, but fp16: auto needs bf16
 ])
 def test_cuda_graphs_auto_counts_the_layer_inputs_once_more_where_the_layers_replay_graphs(
         model, seq, micro, gpu, replays):

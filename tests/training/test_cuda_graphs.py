@@ -62,6 +62,12 @@ def test_auto_turns_graphs_on_where_a_layers_work_is_short_and_off_where_it_is_l
     assert graphs_decision(_cfg(tiny_model, tmp_path, cuda_graphs=False), CUDA, layers) == (False, None)
 
 
+def test_auto_needs_bf16_and_true_does_not(layers, tiny_model, tmp_path, h200):
+    """Graphs were proven on a GPU in bf16 only: a T4's fp16 (gradient scaler) keeps auto off."""
+    assert graphs_decision(_cfg(tiny_model, tmp_path), CUDA, layers, bf16=False) == (False, None)
+    assert graphs_decision(_cfg(tiny_model, tmp_path, cuda_graphs=True), CUDA, layers, bf16=False) == (True, None)
+
+
 @pytest.mark.parametrize("setting, device, blocker", [
     (dict(), torch.device("cpu"), "CUDA graphs need a CUDA GPU"),
     (dict(gradient_checkpointing="auto"), CUDA, "gradient checkpointing is off"),  # left auto: not resolved to on

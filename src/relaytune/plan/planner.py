@@ -55,12 +55,12 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu),
         offload_activations=bool(getattr(cfg, "offload_activations", False)),
         adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4,
-        graphs_max_layer_flops=graphs_max_layer_flops(cfg, gpu))
+        graphs_max_layer_flops=graphs_max_layer_flops(cfg, gpu, dtype))
 
 
-def graphs_max_layer_flops(cfg, gpu: Gpu) -> float:
+def graphs_max_layer_flops(cfg, gpu: Gpu, dtype: str = "bf16") -> float:
     """One layer's forward FLOPs under which the layers replay CUDA graphs on this card, as
-    training/cuda_graphs.py decides (on one GPU, compiled, packed, nothing offloaded)."""
+    training/cuda_graphs.py decides (on one GPU, compiled, packed, nothing offloaded; auto in bf16)."""
     setting = getattr(cfg, "cuda_graphs", "auto")
     runs = (setting is not False and compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu)
             and getattr(cfg, "packing", False) and not getattr(cfg, "offload_activations", False)
@@ -69,7 +69,7 @@ def graphs_max_layer_flops(cfg, gpu: Gpu) -> float:
         return 0.0
     if setting is True:
         return math.inf
-    return AUTO_MAX_LAYER_MS / 1e3 * gpu.tflops * 1e12 if gpu.tflops else 0.0
+    return AUTO_MAX_LAYER_MS / 1e3 * gpu.tflops * 1e12 if gpu.tflops and dtype == "bf16" else 0.0
 
 
 def compiles_layers(setting, gpu: Gpu) -> bool:

@@ -11,7 +11,8 @@ auto turns them on where a layer's forward, at the GPU's dense peak, is shorter 
 AUTO_MAX_LAYER_MS: there the host bounds the step, or a good part of it. Measured on one H200
 (bench/results/cuda-graphs-h200.md), QLoRA, packed: Qwen2.5-3B at seq 512, micro-batch 4 (0.32 ms at
 peak) ran 2.4x the tokens/s with graphs; at seq 2048, micro-batch 4 (1.28 ms), +12%; Llama-3-8B at
-seq 2048, micro-batch 2 (1.8 ms), no gain.
+seq 2048, micro-batch 2 (1.8 ms), no gain. auto also needs bf16: graphs were proven on a GPU in bf16
+only (bench/graphs_proof.py), not on a T4's fp16 path with its gradient scaler (`true` runs there).
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ if TYPE_CHECKING:  # torch is imported where it runs: the planner reads the rule
 AUTO_MAX_LAYER_MS = 1.5  # a decoder layer's forward at the GPU's peak, below which the host bounds the step
 
 
-def graphs_decision(cfg, device: torch.device, layers: list[torch.nn.Module]) -> tuple[bool, str | None]:
-    """(replay CUDA graphs?, why not, when the user asked for them or should know)."""
+def graphs_decision(cfg, device: torch.device, layers: list[torch.nn.Module],
+                    bf16: bool = True) -> tuple[bool, str | None]:
+    """(replay CUDA graphs?, why not, when the user asked for them or should know). `bf16`: the run
+    computes in bf16; auto stays off otherwise, since graphs were proven on a GPU in bf16 only (fp16's
+    gradient-scaler path, a T4's, has not run with them)."""
     setting = getattr(cfg, "cuda_graphs", False)
     if setting is False or not layers:
         return False, None
@@ -35,6 +39,8 @@ def graphs_decision(cfg, device: torch.device, layers: list[torch.nn.Module]) ->
         return False, blocker if asked else None
     if asked:
         return True, None
+    if not bf16:
+        return False, None
     ms = layer_forward_ms(layers[0], _tokens_per_micro_batch(cfg), device)
     return ms is not None and ms < AUTO_MAX_LAYER_MS, None
 

@@ -123,7 +123,7 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         return []
     configure_dynamo()
     WarmUpTimer.install(model)
-    graphs, why = graphs_decision(cfg, precision.device, layers)
+    graphs, why = graphs_decision(cfg, precision.device, layers, bf16=precision.autocast == torch.bfloat16)
     if why:
         notice(f"cuda_graphs: off ({why})")
     try:
