@@ -145,8 +145,9 @@ def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False) -> 
     Inductor draws random numbers with ATen's generator (`fallback_random`), so a compiled layer's
     dropout masks are eager's: compiled and eager runs (and a run resumed with the other setting)
     stay equal within rounding, and under `cuda_graphs` the no_grad forward and the recompute, two
-    different graphs, draw the same masks. It was also faster on an H200 (Llama-3-8B QLoRA +3%,
-    Qwen2.5-3B QLoRA seq 512 +5%, one lease each): Inductor's own draw waited on the host.
+    different graphs, draw the same masks. It was not slower on an H200 (Qwen2.5-3B QLoRA seq 512:
+    +5% in one lease, within that case's spread; Llama-3-8B QLoRA 9,905 tok/s against 9,520-9,599
+    without it in earlier leases).
 
     `cuda_graphs`: the compiled forward and backward replay CUDA graphs, checkpointed by
     RecomputedLayer."""
