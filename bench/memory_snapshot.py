@@ -164,7 +164,14 @@ def call_site(frames) -> str:
     return "C++: " + " < ".join(cpp) if cpp else "(no stack)"
 
 
-def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries: int = 0) -> dict:
+def step_of(time_us: float | None, step_ends_us: list[float]) -> int | None:
+    """The optimizer step (1-based) during which an event at `time_us` happened: one more than the
+    steps that had ended by then. None without a time (an event from before the trace)."""
+    return None if time_us is None else bisect.bisect_right(step_ends_us, time_us) + 1
+
+
+def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries: int = 0,
+            step_ends_us: list[float] | None = None) -> dict:
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
     segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
@@ -190,12 +197,16 @@ def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries
     t = peak_i - 1  # the event at the peak
     at_peak = [b for b in blocks if b[0] <= t < b[1]]
     reserved = reserved_series(trace, reserved_end)
-    groups: dict[str, dict] = {c: {"bytes": 0, "blocks": 0, "sites": defaultdict(int)} for c in CATEGORIES}
+    groups: dict[str, dict] = {c: {"bytes": 0, "blocks": 0, "sites": defaultdict(int), "steps": defaultdict(int)}
+                               for c in CATEGORIES}
+    ends = sorted(step_ends_us or [])
     for b in at_peak:
         g = groups[classify(b, training_start, ptrs)]
         g["bytes"] += b[3]
         g["blocks"] += 1
         g["sites"][call_site(b[4])] += b[3]
+        if ends:  # which step allocated it: a block from an earlier step than the peak's outlived its step
+            g["steps"][step_of(trace[b[0]].get("time_us") if b[0] >= 0 else None, ends)] += b[3]
     peak_bytes = allocated[peak_i]
     peak_reserved = reserved[t] if t < len(reserved) else reserved_end
     event = trace[t]
@@ -208,9 +219,12 @@ def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries
         "allocator_slack_gib": round((peak_reserved - peak_bytes) / GIB, 3),
         "trace_wrapped": bool(max_entries) and n >= max_entries,
         "training_start_found": training_start > 0,
+        "peak_step": step_of(event.get("time_us"), ends) if ends else None,
         "categories": {c: {"gib": round(g["bytes"] / GIB, 3), "blocks": g["blocks"],
                            "top_sites": [{"site": k, "gib": round(v / GIB, 3)} for k, v in
-                                         sorted(g["sites"].items(), key=lambda kv: -kv[1])[:8]]}
+                                         sorted(g["sites"].items(), key=lambda kv: -kv[1])[:8]],
+                           "gib_by_allocating_step": {str(k): round(v / GIB, 3) for k, v in
+                                                      sorted(g["steps"].items(), key=lambda kv: str(kv[0]))}}
                        for c, g in groups.items() if g["blocks"]},
     }
 
@@ -248,7 +262,10 @@ def main() -> None:
     # Pointers of what the optimizer owns, from a global step hook (public API, no relaytune internals).
     seen: dict[str, set[int]] = {"lora_params": set(), "grads": set(), "optimizer_state": set()}
 
+    step_ends_us: list[float] = []  # the trace's time_us is the wall clock in microseconds
+
     def after_step(optimizer, *_):
+        step_ends_us.append(time.time() * 1e6)
         for group in optimizer.param_groups:
             for q in group["params"]:
                 if q.is_cuda:
@@ -279,7 +296,7 @@ def main() -> None:
     snapshot_seconds = time.time() - t1
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     ptrs = {k: sorted(v) for k, v in seen.items()}
-    result = analyse(snap, device, ptrs, args.max_entries)
+    result = analyse(snap, device, ptrs, args.max_entries, step_ends_us)
     del snap
     result.update(
         case=case, arch=args.arch, quant=args.quant, seq=args.seq, batch=args.batch, accum=args.accum,
@@ -307,6 +324,9 @@ def main() -> None:
     print(f"\n- torch.cuda.max_memory_allocated since relaytune's reset after load: "
           f"{result['torch_max_memory_allocated_gib']} GiB; metrics.jsonl peak over steps: "
           f"{result['metrics_peak_memory_gib']} GiB")
+    print(f"- the peak came in step {result['peak_step']}; live at it, by the step that allocated them: "
+          + "; ".join(f"{c} {g['gib_by_allocating_step']}" for c, g in result["categories"].items()
+                      if len(g["gib_by_allocating_step"]) > 1))
     if result["trace_wrapped"] or not result["training_start_found"]:
         print("- WARNING: the trace filled --max-entries or does not reach back to the first training step "
               "(raise --max-entries): blocks allocated before it are 'unknown'")
