@@ -191,6 +191,16 @@ def _check_cuda_graphs(cfg) -> None:
                          f"batches, so it needs {', '.join(missing)}; set those, or cuda_graphs: auto")
 
 
+def odd_settings(cfg) -> list[str]:
+    """Settings Hugging Face accepts that are probably not what was meant: warn, don't refuse."""
+    odd = []
+    if cfg.max_steps > 0 and cfg.warmup_steps >= cfg.max_steps:
+        odd.append(f"warmup_steps ({cfg.warmup_steps}) is not shorter than the run (max_steps "
+                   f"{cfg.max_steps}): the learning rate never reaches its peak {cfg.learning_rate:g}; "
+                   "training goes on as configured, as Hugging Face's Trainer does")
+    return odd
+
+
 def settle_global_batch(cfg) -> None:
     """global_batch_size always holds the rows per optimizer step once validated (see its docstring)."""
     micro, accum, given = (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from relaytune.config.checks import odd_settings
 from relaytune.config.paths import absolute, resolve_paths, resolve_value
 from relaytune.config.schema import ALIASES, TrainConfig
 from relaytune.config.yaml_source import parse_value, read_config_file
@@ -61,7 +62,7 @@ def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
         cfg = TrainConfig.model_validate(raw)
     except ValidationError as e:
         raise UserError(_explain(e, raw, where)) from None
-    for message in cfg.odd_settings():
+    for message in odd_settings(cfg):
         warn(message)
     return cfg
 

@@ -396,12 +396,3 @@ class TrainConfig(BaseModel):
         if self.per_device_train_batch_size != "auto":
             return self.per_device_train_batch_size
         return max(d for d in range(1, min(8, self.global_batch_size) + 1) if self.global_batch_size % d == 0)
-
-    def odd_settings(self) -> list[str]:
-        """Settings Hugging Face accepts that are probably not what was meant: warn, don't refuse."""
-        odd = []
-        if self.max_steps > 0 and self.warmup_steps >= self.max_steps:
-            odd.append(f"warmup_steps ({self.warmup_steps}) is not shorter than the run (max_steps "
-                       f"{self.max_steps}): the learning rate never reaches its peak {self.learning_rate:g}; "
-                       "training goes on as configured, as Hugging Face's Trainer does")
-        return odd
