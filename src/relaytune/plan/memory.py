@@ -42,6 +42,7 @@ from relaytune.errors import UserError
 from relaytune.plan.architectures import Architecture
 from relaytune.plan.facts import chunk_tokens, plain_head_types
 from relaytune.plan.gpus import CUDA_CONTEXT_GIB
+from relaytune.training.cuda_graphs import auto_turns_on
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -92,9 +93,10 @@ class Settings:
     offload_activations: bool = False  # checkpointed layer inputs held in pinned CPU memory
     adapter_bytes: int = 4  # adapter_dtype: 4 for float32, 2 for bfloat16 (weights, gradients, AdamW moments)
     loss_recomputed: bool = False  # every loss chunk recomputed in backward (relaytune before 2026-12-02)
-    # cuda_graphs: the compiled layers replay CUDA graphs when one layer's forward is under this many FLOPs
-    # (auto: 1.5 ms at the GPU's peak; inf for true; 0 when they never run).
-    graphs_max_layer_flops: float = 0.0
+    # cuda_graphs in force: "off" (never: false, or something it cannot run beside), "on" (true), or "auto"
+    # (training/cuda_graphs.auto_turns_on at the GPU's dense peak, graphs_peak_flops).
+    graphs: str = "off"
+    graphs_peak_flops: float = 0.0
 
 
 @dataclass
@@ -159,8 +161,10 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
 
 def replays_graphs(arch: Architecture, s: Settings, tokens: int) -> bool:
     """cuda_graphs in force at this micro-batch (training/cuda_graphs.py's rule, with checkpointing on)."""
-    layer_flops = 2 * tokens * sum(m.in_features * m.out_features for m in arch.layer_linears())
-    return not s.offload_activations and layer_flops < s.graphs_max_layer_flops
+    if s.offload_activations or s.graphs == "off":
+        return False
+    weights = sum(m.in_features * m.out_features for m in arch.layer_linears())
+    return s.graphs == "on" or (s.graphs_peak_flops > 0 and auto_turns_on(weights, tokens, s.graphs_peak_flops))
 
 
 def adapted_linears(arch: Architecture, targets) -> list:

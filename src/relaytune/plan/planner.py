@@ -28,7 +28,6 @@ from relaytune.plan.memory import (
 )
 from relaytune.plan.sources import resolve_architecture
 from relaytune.plan.throughput import Eta, Throughput, estimate_eta, estimate_throughput
-from relaytune.training.cuda_graphs import AUTO_MAX_LAYER_MS
 
 CHECKPOINT_EXTRA = 64 * 1024  # trainer state, RNG states, metrics history and manifest, as measured
 UNLIMITED_KEEP = 10  # save_total_limit unset keeps every checkpoint; the preflight counts this many too
@@ -55,21 +54,19 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu),
         offload_activations=bool(getattr(cfg, "offload_activations", False)),
         adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4,
-        graphs_max_layer_flops=graphs_max_layer_flops(cfg, gpu, dtype))
+        graphs=graphs_setting(cfg, gpu, dtype), graphs_peak_flops=(gpu.tflops or 0.0) * 1e12)
 
 
-def graphs_max_layer_flops(cfg, gpu: Gpu, dtype: str = "bf16") -> float:
-    """One layer's forward FLOPs under which the layers replay CUDA graphs on this card, as
-    training/cuda_graphs.py decides (on one GPU, compiled, packed, nothing offloaded; auto in bf16)."""
+def graphs_setting(cfg, gpu: Gpu, dtype: str) -> str:
+    """cuda_graphs as training/cuda_graphs.py resolves it on this card: "off", "on", or "auto" (decided
+    per micro-batch). They run on one GPU, compiled, packed, nothing offloaded; auto in bf16 only."""
     setting = getattr(cfg, "cuda_graphs", "auto")
     runs = (setting is not False and compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu)
             and getattr(cfg, "packing", False) and not getattr(cfg, "offload_activations", False)
             and getattr(cfg, "num_gpus", 1) in (1, "auto") and getattr(cfg, "fsdp", False) is not True)
     if not runs:
-        return 0.0
-    if setting is True:
-        return math.inf
-    return AUTO_MAX_LAYER_MS / 1e3 * gpu.tflops * 1e12 if gpu.tflops and dtype == "bf16" else 0.0
+        return "off"
+    return "on" if setting is True else "auto" if dtype == "bf16" else "off"
 
 
 def compiles_layers(setting, gpu: Gpu) -> bool:

@@ -45,6 +45,11 @@ def graphs_decision(cfg, device: torch.device, layers: list[torch.nn.Module],
     return ms is not None and ms < AUTO_MAX_LAYER_MS, None
 
 
+def auto_turns_on(layer_weights: float, tokens: int, peak_flops: float) -> bool:
+    """auto's rule, given a layer's weights, a micro-batch's tokens and the GPU's dense peak (FLOP/s)."""
+    return forward_ms(layer_weights, tokens, peak_flops) < AUTO_MAX_LAYER_MS
+
+
 def forward_ms(layer_weights: float, tokens: int, peak_flops: float) -> float:
     """A decoder layer's forward for `tokens` tokens at `peak_flops`: 2 FLOPs per weight per token
     (attention's scores are left out: at most a few percent at these lengths)."""
