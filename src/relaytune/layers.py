@@ -96,10 +96,22 @@ class RecomputedLayer(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         inputs = ([hidden] if hidden.requires_grad else []) + params
         got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+        _drop_recompute_graph(outs)
         for param, grad in zip(params, got[len(inputs) - len(params):]):
             if grad is not None:
                 param.grad = grad.clone() if param.grad is None else param.grad.add_(grad)
         return (got[0].clone() if hidden.requires_grad and got[0] is not None else None), None, None
+
+
+def _drop_recompute_graph(outs: list[torch.Tensor]) -> None:
+    """The trees hand back the same output tensor at every replay, and autograd hangs the recompute's
+    graph on it; that graph's context keeps the layer's input (a step's checkpointed clone) alive until
+    the layer's next recompute, one step later: on an H200, 35 clones of 8 MiB more at the peak
+    (bench/results/cuda-graphs-h200.md). Detaching the outputs in place lets the graph and that input go
+    once the gradients are taken. A view cannot be detached in place; a layer's output is not one."""
+    for out in outs:
+        if out.grad_fn is not None and not out._is_view():
+            out.detach_()
 
 
 def _map_tensors(out, fn):
