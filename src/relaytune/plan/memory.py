@@ -18,8 +18,9 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
 - saved activations, per layer and token: with gradient checkpointing the layer's input (a x h);
   without, everything autograd keeps (see `layer_saved_bytes`), which is less when torch_compile
   compiles each layer (Inductor recomputes the norms' upcast and the SiLU product in backward).
-- CUDA graphs (`cuda_graphs` in force at this micro-batch, with checkpointing): the layer inputs
-  once more, as measured on an H200 (bench/results/cuda-graphs-h200.md; why, not yet found).
+- CUDA graphs (`cuda_graphs` in force at this micro-batch, with checkpointing): GRAPHS_EXTRA, what
+  the warm-up step of a run that compiles from scratch peaked above the same run without graphs on
+  an H200 (bench/results/cuda-graphs-h200.md).
 - the peak is reached either in the loss (all saved activations + one loss chunk of CHUNK_TOKENS
   labelled tokens: its logits in the compute dtype and in fp32, which become their own gradient in
   place, 6 bytes per logit, in forward; 12 bytes per logit when each chunk was recomputed in
@@ -67,6 +68,11 @@ BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, 
 # 1.08 GiB at 32,768 tokens (Qwen2.5-3B QLoRA, micro-batch 16) and 0.55 GiB at 16,384 (Llama-3-8B QLoRA,
 # micro-batch 8), compiled layers on an H200 (bench/results/vs-trl-h200.md). Not yet explained.
 OFFLOAD_RESIDUAL_PER_TOKEN = 34 * 1024
+# Qwen2.5-3B QLoRA on an H200, the first process to compile: 0.104 GiB above the run without graphs at
+# 2,048 tokens per micro-batch, 0.136 GiB at 8,192 (a compiled layer's buffers in the second step);
+# rounded up, and counted whatever the model, since no other was measured. With Inductor's cache warm
+# the peak was the run without graphs'.
+GRAPHS_EXTRA = int(0.15 * GIB)
 SLACK_FRACTION = 0.05  # reserved above allocated: the caching allocator's rounding and fragmentation
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages optimizer state of tensors this large
 EIGHT_BIT_MIN_NUMEL = 4096  # smaller tensors keep fp32 moments in the 8-bit optimizers
@@ -141,7 +147,7 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
         parts["saved activations"] = tokens * OFFLOAD_RESIDUAL_PER_TOKEN if s.offload_activations \
             else arch.num_layers * tokens * a * arch.hidden_size
         if replays_graphs(arch, s, tokens):
-            parts["CUDA graphs"] = arch.num_layers * tokens * a * arch.hidden_size
+            parts["CUDA graphs"] = GRAPHS_EXTRA
         layer_phase = {"recomputed layer": tokens * layer, "backward working set": working_set(arch, s, tokens)}
     else:
         parts["saved activations"] = arch.num_layers * tokens * layer
@@ -325,4 +331,4 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
             "LoRA gradients": adapter, "optimizer state": opt, "checkpoint staging": staging,
             "saved activations": saved, "recomputed layer": "one layer's activations, rebuilt in backward",
             "backward working set": "gradients in flight in one layer's backward", "loss": loss,
-            "CUDA graphs": "the layer inputs once more, as measured with cuda_graphs on (cause not yet found)"}
+            "CUDA graphs": "the warm-up step's extra when the layers compile from scratch, as measured"}
