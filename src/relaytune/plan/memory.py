@@ -69,9 +69,9 @@ BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, 
 # micro-batch 8), compiled layers on an H200 (bench/results/vs-trl-h200.md). Not yet explained.
 OFFLOAD_RESIDUAL_PER_TOKEN = 34 * 1024
 # Qwen2.5-3B QLoRA on an H200, the first process to compile: 0.104 GiB above the run without graphs at
-# 2,048 tokens per micro-batch, 0.136 GiB at 8,192 (a compiled layer's buffers in the second step);
-# rounded up, and counted whatever the model, since no other was measured. With Inductor's cache warm
-# the peak was the run without graphs'.
+# 2,048 tokens per micro-batch (a compiled layer's buffers in the second step, by a memory snapshot),
+# 0.136 GiB at 8,192 (against the tenth session's run without graphs); rounded up, and counted whatever
+# the model, since no other was measured. With Inductor's cache warm the peak was the run without graphs'.
 GRAPHS_EXTRA = int(0.15 * GIB)
 SLACK_FRACTION = 0.05  # reserved above allocated: the caching allocator's rounding and fragmentation
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages optimizer state of tensors this large
