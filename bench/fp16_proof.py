@@ -77,9 +77,11 @@ def child(args) -> None:
         sys.exit(75)
 
 
-def session(cfg: dict, args, stop_at: int | None = None, log: Path | None = None) -> int:
-    """One training session in a child process (SIGTERM after `stop_at`); its stderr appended to `log`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def session(cfg: dict, args, stop_at: int | None = None, log: Path | None = None,
+            env_extra: dict[str, str] | None = None) -> int:
+    """One training session in a child process (SIGTERM after `stop_at`); its stderr appended to `log`;
+    `env_extra` adds to its environment (a fault plan, say)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     if args.arch == "tiny" and stop_at is not None:
         env["RELAYTUNE_SLOW_STEP"] = "0.2"  # so the signal lands mid-run on a tiny model
     cmd = [sys.executable, __file__, "_child", "--cap-gib", str(args.cap_gib), "--cfg", json.dumps(cfg)]

@@ -26,10 +26,15 @@ def _report(work: Path) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout[r.stdout.index("{"):])
 
 
-def _all_phases(work: Path, on: dict[int, float] = CURVE, graphs_on: bool = True) -> None:
+OOM_EVENT = {"step": 22, "event": "oom", "micro_batch_size": 2, "was": 4}  # step 23 (1-based) redone at half
+
+
+def _all_phases(work: Path, on: dict[int, float] = CURVE, graphs_on: bool = True, **oom) -> None:
     _write(work, "off", CURVE, False, exit=0)
     _write(work, "on", on, graphs_on, exit=0)
     _write(work, "resume", dict(on), graphs_on, first_exit=75, second_exit=0, stopped_at=25)
+    _write(work, "oom", dict(on), graphs_on, **{"exit": 0, "oom_at": 23, "oom_events": [OOM_EVENT],
+                                                 "graphs_dropped": graphs_on, **oom})
 
 
 def test_equal_curves_with_graphs_on_and_a_resume_that_continues_pass(tmp_path):
@@ -38,6 +43,19 @@ def test_equal_curves_with_graphs_on_and_a_resume_that_continues_pass(tmp_path):
     assert (code, summary["verdict"]) == (0, "PASS")
     assert summary["on_vs_off"] == {"steps_compared": 40, "max_rel_diff": 0.0, "steps_outside_tolerance": []}
     assert summary["resume_vs_on_after_stop"]["steps_compared"] == 15
+    assert summary["oom_vs_on"]["steps_compared"] == 40
+    assert summary["runs"]["oom"]["oom_events"] == [OOM_EVENT] and summary["runs"]["oom"]["graphs_dropped"]
+
+
+def test_an_oom_that_kept_the_graphs_or_was_redone_otherwise_fails(tmp_path):
+    _all_phases(tmp_path, graphs_dropped=False)  # the warning never came: the graphs stayed on
+    assert _report(tmp_path)[1]["verdict"] == "FAIL"
+    _all_phases(tmp_path, oom_events=[{**OOM_EVENT, "micro_batch_size": 4}])  # not halved
+    assert _report(tmp_path)[1]["verdict"] == "FAIL"
+    _all_phases(tmp_path, oom_events=[OOM_EVENT, {**OOM_EVENT, "step": 30}])  # a second, real OOM
+    assert _report(tmp_path)[1]["verdict"] == "FAIL"
+    _all_phases(tmp_path, exit=1)
+    assert _report(tmp_path)[1]["verdict"] == "FAIL"
 
 
 def test_a_curve_that_leaves_the_tolerance_fails_and_names_the_steps(tmp_path):
@@ -58,4 +76,4 @@ def test_a_missing_resume_is_incomplete(tmp_path):
     _write(tmp_path, "off", CURVE, False, exit=0)
     _write(tmp_path, "on", CURVE, True, exit=0)
     code, summary = _report(tmp_path)
-    assert (code, summary["verdict"], summary["missing_phases"]) == (1, "INCOMPLETE", ["resume"])
+    assert (code, summary["verdict"], summary["missing_phases"]) == (1, "INCOMPLETE", ["resume", "oom"])
