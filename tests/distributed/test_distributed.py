@@ -31,6 +31,7 @@ from support.ranks import (
     run_ok,
     wait_for_step,
     wait_gone,
+    wait_unlocked,
 )
 
 from relaytune.checkpoint import verify
@@ -196,6 +197,7 @@ def kill_launcher_and_resume(tmp_path, tiny_model, data_file, fork_cli, two_proc
             pass  # it had finished
         r = started.wait(120)
         wait_gone(workers)  # PR_SET_PDEATHSIG: the workers die with their launcher
+        wait_unlocked(run)  # and one forked after `children` was read, which wait_gone cannot know
         if r.returncode == 0:
             break  # finished before the kill landed
         assert r.returncode == -9, r.stderr[-3000:]

@@ -125,6 +125,25 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def wait_unlocked(run: Path, timeout: float = 30) -> None:
+    """Until no process holds the run's lock. A worker forked after the test listed the launcher's
+    children is not in `wait_gone`'s list: killed with its launcher (PR_SET_PDEATHSIG), it can still
+    hold the inherited lock for a moment, and a round started at once would be refused (exit 2)."""
+    import fcntl
+
+    lock = run / ".relaytune.lock"
+    deadline = time.monotonic() + timeout
+    while lock.exists() and time.monotonic() < deadline:
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError:
+            time.sleep(0.02)
+        finally:
+            os.close(fd)  # closing drops the lock taken just now
+
+
 def wait_gone(pids: list[int], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     for pid in pids:
