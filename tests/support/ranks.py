@@ -126,19 +126,23 @@ def children(pid: int) -> list[int]:
 
 
 def wait_unlocked(run: Path, timeout: float = 30) -> None:
-    """Until no process holds the run's lock. A worker forked after the test listed the launcher's
-    children is not in `wait_gone`'s list: killed with its launcher (PR_SET_PDEATHSIG), it can still
-    hold the inherited lock for a moment, and a round started at once would be refused (exit 2)."""
+    """Waits until no process holds the run's lock (AssertionError after `timeout`). A worker
+    forked after the test listed the launcher's children is not in `wait_gone`'s list: killed with
+    its launcher (PR_SET_PDEATHSIG), it can still hold the inherited lock for a moment, and a round
+    started at once would be refused (exit 2)."""
     import fcntl
 
     lock = run / ".relaytune.lock"
     deadline = time.monotonic() + timeout
-    while lock.exists() and time.monotonic() < deadline:
+    while lock.exists():
         fd = os.open(lock, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except OSError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{lock} still locked after {timeout:g} s: a process of the "
+                                     "killed run outlived its launcher") from None
             time.sleep(0.02)
         finally:
             os.close(fd)  # closing drops the lock taken just now
