@@ -170,8 +170,14 @@ def step_of(time_us: float | None, step_ends_us: list[float]) -> int | None:
     return None if time_us is None else bisect.bisect_right(step_ends_us, time_us) + 1
 
 
+def stack(frames, depth: int = 24) -> list[str]:
+    """A block's Python stack, innermost first, each frame as `dir/dir/file.py:line name`."""
+    return [f"{'/'.join(str(f.get('filename')).split('/')[-3:])}:{f.get('line')} {f.get('name')}"
+            for f in _python_frames(frames)[:depth]]
+
+
 def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries: int = 0,
-            step_ends_us: list[float] | None = None) -> dict:
+            step_ends_us: list[float] | None = None, peak_blocks: int = 0) -> dict:
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
     segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
@@ -207,6 +213,7 @@ def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries
         g["sites"][call_site(b[4])] += b[3]
         if ends:  # which step allocated it: a block from an earlier step than the peak's outlived its step
             g["steps"][step_of(trace[b[0]].get("time_us") if b[0] >= 0 else None, ends)] += b[3]
+    largest = sorted(at_peak, key=lambda b: -b[3])[:peak_blocks]
     peak_bytes = allocated[peak_i]
     peak_reserved = reserved[t] if t < len(reserved) else reserved_end
     event = trace[t]
@@ -226,6 +233,12 @@ def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries
                            "gib_by_allocating_step": {str(k): round(v / GIB, 3) for k, v in
                                                       sorted(g["steps"].items(), key=lambda kv: str(kv[0]))}}
                        for c, g in groups.items() if g["blocks"]},
+        # --peak-blocks: what allocated the largest live blocks, and the peak event's own stack, in full
+        "peak_event_stack": stack(event.get("frames")) if peak_blocks else [],
+        "largest_blocks_at_peak": [
+            {"mib": round(b[3] / 2**20, 2), "part": classify(b, training_start, ptrs),
+             "step": step_of(trace[b[0]].get("time_us"), ends) if ends and b[0] >= 0 else None,
+             "stack": stack(b[4])} for b in largest],
     }
 
 
@@ -240,6 +253,8 @@ def main() -> None:
     p.add_argument("--max-entries", type=int, default=200000)
     p.add_argument("--stacks", default="python", choices=["all", "python"],
                    help="python (default, fast); all: C++ frames too (finds AccumulateGrad; symbolizing is slow)")
+    p.add_argument("--peak-blocks", type=int, default=0,
+                   help="also write the N largest blocks live at the peak, and the peak event, with full Python stacks")
     p.add_argument("--out", help="JSON summary path (default: BENCH_WORK/memory-<case>.json)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -296,7 +311,7 @@ def main() -> None:
     snapshot_seconds = time.time() - t1
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     ptrs = {k: sorted(v) for k, v in seen.items()}
-    result = analyse(snap, device, ptrs, args.max_entries, step_ends_us)
+    result = analyse(snap, device, ptrs, args.max_entries, step_ends_us, args.peak_blocks)
     del snap
     result.update(
         case=case, arch=args.arch, quant=args.quant, seq=args.seq, batch=args.batch, accum=args.accum,

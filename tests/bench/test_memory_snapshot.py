@@ -43,3 +43,22 @@ def test_the_step_of_an_event_counts_the_steps_ended_before_it():
     ends = [200.0, 300.0]
     assert [memory_snapshot.step_of(t, ends) for t in (50, 200, 201, 299, 301)] == [1, 2, 2, 2, 3]
     assert memory_snapshot.step_of(None, ends) is None
+
+
+def test_peak_blocks_lists_the_largest_live_blocks_with_their_stacks():
+    deep = [{"filename": "/x/torch/_inductor/runtime/benchmarking.py", "line": 649, "name": "benchmark_gpu"},
+            *STEP]
+    trace = [
+        {**_event("alloc", 0x1000, 4 * MIB, 100)},
+        {**_event("alloc", 0x2000, 8 * MIB, 250), "frames": deep},  # the peak's own allocation
+        _event("alloc", 0x3000, 1 * MIB, 260),
+        _event("free_requested", 0x1000, 4 * MIB, 270),
+        _event("free_completed", 0x1000, 4 * MIB, 270),
+    ]
+    result = memory_snapshot.analyse({"device_traces": [trace], "segments": []}, 0, {},
+                                     step_ends_us=[200.0, 300.0], peak_blocks=2)
+    assert result["peak_event_stack"] == ["relaytune/training/step.py:1 _forward_backward"]
+    assert [(b["mib"], b["step"]) for b in result["largest_blocks_at_peak"]] == [(8.0, 2), (4.0, 1)]
+    assert result["largest_blocks_at_peak"][0]["stack"] == [
+        "_inductor/runtime/benchmarking.py:649 benchmark_gpu", "relaytune/training/step.py:1 _forward_backward"]
+    assert memory_snapshot.analyse({"device_traces": [trace], "segments": []}, 0, {})["largest_blocks_at_peak"] == []
