@@ -162,8 +162,12 @@ def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False) -> 
     without it in earlier leases).
 
     `cuda_graphs`: the compiled forward and backward replay CUDA graphs, checkpointed by
-    RecomputedLayer."""
-    options = {"fallback_random": True, **({"triton.cudagraphs": True} if cuda_graphs else {})}
+    RecomputedLayer. Their pointwise kernels are not autotuned: Inductor benchmarks a new kernel's
+    configurations at its first run, which under the graphs is inside their memory pool, and the pool
+    kept the benchmark's buffers for good (+0.10 GiB on an H200 in a run compiling from scratch,
+    none once Inductor's cache held the kernels; bench/results/cuda-graphs-h200.md, section 5)."""
+    options = {"fallback_random": True,
+               **({"triton.cudagraphs": True, "triton.autotune_pointwise": False} if cuda_graphs else {})}
     compiled: dict[object, object] = {}
     for layer in layers:
         current = layer_forward(layer)

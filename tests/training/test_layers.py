@@ -283,6 +283,24 @@ def test_a_graphed_layer_the_graph_checkpoint_cannot_take_runs_eagerly_under_the
     assert layer.w.grad.tolist() == [6.0, 6.0, 6.0] and hidden.grad.tolist() == [2.0, 2.0, 2.0]
 
 
+def test_graphed_layers_compile_without_pointwise_autotuning(tiny_model, tmp_path, monkeypatch):
+    """Under CUDA graphs Inductor's first-run benchmark of a pointwise kernel ran inside the graphs'
+    memory pool, which kept its buffers (+0.10 GiB on an H200, bench/results/cuda-graphs-h200.md,
+    section 5): graphed layers turn that autotuning off, other compiled layers keep it."""
+    from torch._inductor import config as inductor_config
+
+    from relaytune.layers import compile_layers
+
+    layers = decoder_layers(_model(tiny_model, tmp_path, gradient_checkpointing=True))
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, options=None: asked.append(options) or fn)
+    compile_layers(layers, cuda_graphs=False)
+    compile_layers(layers, cuda_graphs=True)
+    assert asked == [{"fallback_random": True},
+                     {"fallback_random": True, "triton.cudagraphs": True, "triton.autotune_pointwise": False}]
+    assert set(asked[1]) <= set(inductor_config.get_config_copy())  # names Inductor knows
+
+
 def test_after_an_oom_graphed_layers_compile_again_without_graphs_and_the_graphs_are_freed(
         tiny_model, tmp_path, monkeypatch, capsys):
     from relaytune.layers import compile_layers, drop_cuda_graphs

@@ -18,9 +18,8 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
 - saved activations, per layer and token: with gradient checkpointing the layer's input (a x h);
   without, everything autograd keeps (see `layer_saved_bytes`), which is less when torch_compile
   compiles each layer (Inductor recomputes the norms' upcast and the SiLU product in backward).
-- CUDA graphs (`cuda_graphs` in force at this micro-batch, with checkpointing): GRAPHS_EXTRA, what
-  the warm-up step of a run that compiles from scratch peaked above the same run without graphs on
-  an H200 (bench/results/cuda-graphs-h200.md).
+- CUDA graphs (`cuda_graphs` in force at this micro-batch, with checkpointing): GRAPHS_EXTRA, the most a
+  run with graphs peaked above the same run without them on an H200 (bench/results/cuda-graphs-h200.md).
 - the peak is reached either in the loss (all saved activations + one loss chunk of CHUNK_TOKENS
   labelled tokens: its logits in the compute dtype and in fp32, which become their own gradient in
   place, 6 bytes per logit, in forward; 12 bytes per logit when each chunk was recomputed in
@@ -68,10 +67,10 @@ BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, 
 # 1.08 GiB at 32,768 tokens (Qwen2.5-3B QLoRA, micro-batch 16) and 0.55 GiB at 16,384 (Llama-3-8B QLoRA,
 # micro-batch 8), compiled layers on an H200 (bench/results/vs-trl-h200.md). Not yet explained.
 OFFLOAD_RESIDUAL_PER_TOKEN = 34 * 1024
-# Qwen2.5-3B QLoRA on an H200, the first process to compile: 0.104 GiB above the run without graphs at
-# 2,048 tokens per micro-batch (a compiled layer's buffers in the second step, by a memory snapshot),
-# 0.136 GiB at 8,192 (against the tenth session's run without graphs); rounded up, and counted whatever
-# the model, since no other was measured. With Inductor's cache warm the peak was the run without graphs'.
+# Qwen2.5-3B QLoRA on an H200, compiling from scratch (pointwise autotuning off under graphs, as
+# layers.compile_layers sets it): none at 2,048 tokens per micro-batch (2.847 GiB with and without),
+# 0.128 GiB at 8,192 (5.079 against the tenth session's 4.951 without graphs; why, not traced). Rounded
+# up, and counted at every micro-batch and for every model, since no other was measured.
 GRAPHS_EXTRA = int(0.15 * GIB)
 SLACK_FRACTION = 0.05  # reserved above allocated: the caching allocator's rounding and fragmentation
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages optimizer state of tensors this large
@@ -331,4 +330,4 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
             "LoRA gradients": adapter, "optimizer state": opt, "checkpoint staging": staging,
             "saved activations": saved, "recomputed layer": "one layer's activations, rebuilt in backward",
             "backward working set": "gradients in flight in one layer's backward", "loss": loss,
-            "CUDA graphs": "the warm-up step's extra when the layers compile from scratch, as measured"}
+            "CUDA graphs": "what graphs added to the peak where measured (up to 0.13 GiB)"}
