@@ -153,6 +153,28 @@ def test_flex_equals_sdpa_on_a_packed_batch_and_keeps_samples_apart(tiny_model, 
         assert abs(flex2 - sdpa2) <= FLEX_RTOL * abs(sdpa2), (flex2, sdpa2)
 
 
+def test_the_isolation_check_keeps_back_torchs_unfused_flex_warning_and_leaves_it_for_later(
+        tiny_model, tmp_path, one_thread):
+    """The check's tiny eager forward runs flex unfused on purpose: torch's once-per-process warning
+    would read as if training did (seen on an H200 before every packed run), so the check keeps it
+    back, and a later unfused call still gets it."""
+    import warnings
+
+    from torch.nn.attention import flex_attention as fa
+
+    model = _model(_cfg(tiny_model, tmp_path, packing=True))
+    speedups.enable_flex(model)
+    fa._WARNINGS_SHOWN.discard("flex_attention_performance")  # as in a fresh process
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert check_isolation(model) is None
+        assert [str(w.message) for w in seen if "without torch.compile" in str(w.message)] == []
+        q = torch.randn(1, 1, 16, 8)
+        with torch.no_grad():
+            fa.flex_attention(q, q, q)
+    assert [w for w in seen if "flex_attention called without torch.compile" in str(w.message)]
+
+
 def test_flex_leaves_padded_batches_on_sdpa(tiny_model, tmp_path, one_thread):
     model = _model(_cfg(tiny_model, tmp_path))
     rows = [TokenRow(np.arange(10, 30), np.arange(10, 30)), TokenRow(np.arange(40, 52), np.arange(40, 52))]
