@@ -153,38 +153,46 @@ def choose(cfg, saved: dict | None, model_dir: str | None = None) -> AutoChoice:
              f"this is {_where(device, total)}: choosing again")
     arch, settings, gpu = _plan_inputs(cfg, model_dir) if device != "cpu" else (None, None, None)
     if not choice.from_checkpoint and (auto_micro or auto_gc):
-        if device == "cpu":
-            if auto_micro:
-                choice.micro_batch = max(d for d in divisors(global_batch) if d <= CPU_MICRO_BATCH)
-                choice.how_micro = (f"auto: the CPU default, the largest divisor of {global_batch} up to "
-                                    f"{CPU_MICRO_BATCH}")
-            if auto_gc:
-                choice.gradient_checkpointing = False
-                choice.how_gc = "auto: always off on the CPU; the memory planner is for GPUs"
-        elif arch is None:
-            if auto_micro:
-                choice.micro_batch = max(d for d in divisors(global_batch) if d <= CPU_MICRO_BATCH)
-                choice.how_micro = f"auto: no plan for this model; starting at {choice.micro_batch}"
-            if auto_gc:
-                choice.gradient_checkpointing = True
-                choice.how_gc = "auto: on (no plan for this model)"
-        else:
-            from relaytune.plan import choose_auto
-
-            micro, gc_on = choose_auto(arch, settings, gpu, micro_setting, global_batch, gc_setting)
-            choice.budget_gib = gpu.memory_gib
-            if auto_micro:
-                choice.micro_batch = micro or 1
-                choice.how_micro = (f"auto: planned for {gpu.name}" if micro else
-                                    f"auto: the plan says not even 1 fits {gpu.name}; trying 1")
-            if auto_gc:
-                choice.gradient_checkpointing = gc_on
-                choice.how_gc = (f"auto: {'on' if gc_on else 'off'} (activations "
-                                 f"{'do not fit' if gc_on else 'fit'} {gpu.name} without it with a 10% margin)")
+        _choose_fresh(choice, (arch, settings, gpu), micro_setting, gc_setting, global_batch)
     if arch is not None:
         choice.plan_inputs = (arch, settings, gpu)
         choice.refresh_estimate()
     return choice
+
+
+def _choose_fresh(choice: AutoChoice, plan_inputs, micro_setting, gc_setting, global_batch: int) -> None:
+    """The `auto` settings chosen on this device, with no checkpoint's choice to keep: the CPU's
+    defaults, a safe start where the planner does not know the model, else the planner's."""
+    arch, settings, gpu = plan_inputs
+    auto_micro, auto_gc, device = choice.auto_micro, choice.auto_gc, choice.device
+    if device == "cpu":
+        if auto_micro:
+            choice.micro_batch = max(d for d in divisors(global_batch) if d <= CPU_MICRO_BATCH)
+            choice.how_micro = (f"auto: the CPU default, the largest divisor of {global_batch} up to "
+                                f"{CPU_MICRO_BATCH}")
+        if auto_gc:
+            choice.gradient_checkpointing = False
+            choice.how_gc = "auto: always off on the CPU; the memory planner is for GPUs"
+    elif arch is None:
+        if auto_micro:
+            choice.micro_batch = max(d for d in divisors(global_batch) if d <= CPU_MICRO_BATCH)
+            choice.how_micro = f"auto: no plan for this model; starting at {choice.micro_batch}"
+        if auto_gc:
+            choice.gradient_checkpointing = True
+            choice.how_gc = "auto: on (no plan for this model)"
+    else:
+        from relaytune.plan import choose_auto
+
+        micro, gc_on = choose_auto(arch, settings, gpu, micro_setting, global_batch, gc_setting)
+        choice.budget_gib = gpu.memory_gib
+        if auto_micro:
+            choice.micro_batch = micro or 1
+            choice.how_micro = (f"auto: planned for {gpu.name}" if micro else
+                                f"auto: the plan says not even 1 fits {gpu.name}; trying 1")
+        if auto_gc:
+            choice.gradient_checkpointing = gc_on
+            choice.how_gc = (f"auto: {'on' if gc_on else 'off'} (activations "
+                             f"{'do not fit' if gc_on else 'fit'} {gpu.name} without it with a 10% margin)")
 
 
 def _where(device, total) -> str:
