@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.trained_run import copy_run, finished_run, one_thread, train_run, wired
+from support.trained_run import copy_run, finished_run, one_thread, train_run
 
 from relaytune.atomic import read_manifest, verify
 from relaytune.cli import main
@@ -118,7 +118,6 @@ def best_run(tmp_path_factory, tiny_model) -> dict:
     pytest.fail(f"no learning rate puts the lowest eval loss mid-run (lowest at steps {seen})")
 
 
-@pytest.mark.skipif(not wired("keep_best("), reason="recipe.py does not call best.keep_best yet")
 def test_best_is_kept_by_retention_and_written_to_best(tmp_path, tiny_model, best_run):
     run = train_run(tmp_path, tiny_model, **best_run)
     evals = _eval_records(run)
@@ -134,7 +133,6 @@ def test_best_is_kept_by_retention_and_written_to_best(tmp_path, tiny_model, bes
     assert (run / "final" / "adapter_model.safetensors").read_bytes() != best_bytes  # final = last by default
 
 
-@pytest.mark.skipif(not wired("keep_best("), reason="recipe.py does not call best.keep_best yet")
 def test_load_best_model_at_end_puts_best_in_final(tmp_path, tiny_model, best_run):
     run = train_run(tmp_path, tiny_model, load_best_model_at_end=True, **best_run)
     best = min(_eval_records(run), key=lambda r: r["eval_loss"])
@@ -143,8 +141,6 @@ def test_load_best_model_at_end_puts_best_in_final(tmp_path, tiny_model, best_ru
     assert verify(run / "final") is None
 
 
-@pytest.mark.skipif(not wired("saver.protect = {c.best_step}", "keep_best("),
-                    reason="recipe.py does not restore the best checkpoint's protection on resume yet")
 def test_best_survives_retention_across_a_kill_and_resume(tmp_path, tiny_model, fork_cli, best_run):
     from conftest import chat_rows, make_config, write_jsonl
 

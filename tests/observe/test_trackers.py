@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 from conftest import chat_rows, make_config, write_jsonl
-from support.trained_run import wired
 
 from relaytune.config.loader import load_config
 from relaytune.errors import UserError
 from relaytune.observe.metrics import MetricsLog
 from relaytune.observe.progress import read_progress
 from relaytune.observe.trackers import Trackers, open_trackers, public_config, scalars
-
-needs_wiring = pytest.mark.skipif(not wired("open_trackers(", "add_sink("),
-                                  reason="recipe.py does not open trackers yet")
 
 
 def _cfg(out: Path, **kw):
@@ -164,7 +160,6 @@ def _kill_and_resume(fork_cli, tmp_path, tiny_model, env: dict, **overrides):
     return run, [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@needs_wiring
 def test_tensorboard_steps_continuous_across_kill_and_resume(tmp_path, tiny_model, fork_cli):
     pytest.importorskip("tensorboard")
     run, records = _kill_and_resume(fork_cli, tmp_path, tiny_model, {}, report_to="tensorboard")
@@ -200,7 +195,6 @@ def _wandb_history_steps(path: str) -> list[int]:
 
 
 @pytest.mark.slow  # about 12 s: two wandb service start-ups and shutdowns
-@needs_wiring
 def test_wandb_offline_continues_the_same_run(tmp_path, tiny_model, fork_cli):
     pytest.importorskip("wandb")
     run, _ = _kill_and_resume(fork_cli, tmp_path, tiny_model, {"WANDB_MODE": "offline", "WANDB_SILENT": "true"},

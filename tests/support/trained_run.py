@@ -8,7 +8,6 @@ make a tiny model 10x slower. Tests that write into a run copy it first.
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 from pathlib import Path
 
@@ -22,16 +21,6 @@ _cache: dict[str, Path] = {}
 BASE = {"max_steps": 12, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
         "save_steps": 4, "logging_steps": 1, "learning_rate": 1e-3, "save_every_seconds": 0,
         "val_set_size": 8, "eval_steps": 4, "save_total_limit": None}
-
-SOURCE = "\n".join(p.read_text(encoding="utf-8")
-                   for p in sorted(Path(relaytune.__file__).parent.rglob("*.py")))
-
-
-def wired(*calls: str) -> bool:
-    """Whether relaytune's source makes all these calls (a definition, `def name(`, does not count):
-    a test of a feature that training does not call yet is skipped until it does."""
-    return all(re.search(r"(?<!def )" + re.escape(c), SOURCE) for c in calls)
-
 
 @contextlib.contextmanager
 def one_thread():
