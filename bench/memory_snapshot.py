@@ -150,16 +150,20 @@ def classify(block, training_start: int, ptrs: dict[str, list[int]]) -> str:
     return "other"
 
 
+def _frame_text(f: dict) -> str:
+    """`dir/dir/file.py:line name`: a frame as the reports print it."""
+    return f"{'/'.join(str(f.get('filename', '')).split('/')[-3:])}:{f.get('line')} {f.get('name')}"
+
+
 def call_site(frames) -> str:
     """The innermost Python frame outside torch's own files, for the 'top sites' lists."""
     py = _python_frames(frames)
     for f in py:
         name = str(f.get("filename", ""))
         if "/torch/" not in name or "/torch/utils/checkpoint.py" in name:
-            return f"{'/'.join(name.split('/')[-3:])}:{f.get('line')} {f.get('name')}"
+            return _frame_text(f)
     if py:
-        f = py[0]
-        return f"{'/'.join(str(f.get('filename')).split('/')[-3:])}:{f.get('line')} {f.get('name')}"
+        return _frame_text(py[0])
     cpp = [f.get("name", "") for f in frames or []][:2]
     return "C++: " + " < ".join(cpp) if cpp else "(no stack)"
 
@@ -171,9 +175,8 @@ def step_of(time_us: float | None, step_ends_us: list[float]) -> int | None:
 
 
 def stack(frames, depth: int = 24) -> list[str]:
-    """A block's Python stack, innermost first, each frame as `dir/dir/file.py:line name`."""
-    return [f"{'/'.join(str(f.get('filename')).split('/')[-3:])}:{f.get('line')} {f.get('name')}"
-            for f in _python_frames(frames)[:depth]]
+    """A block's Python stack, innermost first."""
+    return [_frame_text(f) for f in _python_frames(frames)[:depth]]
 
 
 def analyse(snapshot: dict, device: int, ptrs: dict[str, list[int]], max_entries: int = 0,

@@ -189,8 +189,7 @@ class TrainConfig(BaseModel):
     QLoRA at seq 512 ran 2.4x the tokens/s on an H200). Costs a longer warm-up, and up to +0.13 GiB
     there (at seq 2048; none at seq 512). Needs torch_compile, gradient_checkpointing: true, packing
     and one GPU. auto: on in bf16 where a layer's forward at the GPU's peak takes under 1.5 ms (the
-    host bounds it), else off. Same maths, so changing it on
-    resume is allowed."""
+    host bounds it), else off. Same maths, so changing it on resume is allowed."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Attention for packed batches. flex: FlexAttention with one document mask per batch (packed
     samples never see each other), on CUDA GPUs of compute capability 7.5+ (a T4 or newer); sdpa:

@@ -134,13 +134,10 @@ def _quiet_unfused_flex():
     """The check runs FlexAttention unfused on purpose (eager, 21 tokens). torch warns once per process
     that flex ran "without torch.compile()", which there would read as if training did; the warning
     is kept back, and left unspent for a later unfused call that would deserve it."""
+    import sys
     import warnings
 
-    try:
-        from torch.nn.attention import flex_attention as fa
-    except ImportError:
-        yield
-        return
+    fa = sys.modules.get("torch.nn.attention.flex_attention")  # not imported: flex is not in use
     shown = getattr(fa, "_WARNINGS_SHOWN", None)
     spent = shown is not None and "flex_attention_performance" in shown
     with warnings.catch_warnings():
