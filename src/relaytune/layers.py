@@ -1,6 +1,6 @@
 """The decoder layers of a model and how each one runs: compiled or eager, checkpointed or not.
 
-Gradient checkpointing always wraps the layer's forward from outside any compiled region. transformers
+Gradient checkpointing wraps the layer's forward from outside any compiled region by default. transformers
 applies its own checkpointing inside `forward` since 5.2x (before, around `__call__`), so compiling the
 layer put the checkpoint inside the compiled graph, where AOTAutograd chose what to keep for backward:
 on an H200, Qwen2.5-3B QLoRA at 8,192 tokens per step peaked at 20.1 GiB instead of 4.95 GiB
@@ -9,11 +9,14 @@ the thirteenth session: the forward then kept only the layer inputs and the step
 the backward graph's own peak was 0.64 GiB higher, above TRL's. Here transformers still provides the
 checkpoint function (with `use_reentrant=False` and, when asked, the offloading of the saved inputs),
 but relaytune decides where it goes: `LayerForward` becomes the layer's `forward` and calls
-checkpoint(compiled forward, ...). The module's hooks (FSDP2's) stay outside the checkpoint, as
+checkpoint(compiled forward, ...), or, with `checkpoint_inside`, one compiled checkpoint(forward), which
+trades that backward peak for the speed. The module's hooks (FSDP2's) stay outside the checkpoint, as
 transformers keeps them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -28,7 +31,8 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 class LayerForward:
     """A decoder layer's forward as relaytune runs it: `run` (the class's forward, or its compiled
-    form) under `checkpoint` when one is set and the layer trains with gradients."""
+    form) under `checkpoint` when one is set and the layer trains with gradients, or `run_checkpointed`
+    (the checkpoint and the forward compiled as one region) when that is set."""
 
     def __init__(self, layer: torch.nn.Module):
         self.layer = layer
@@ -36,10 +40,13 @@ class LayerForward:
         self.run = self.eager
         self.checkpoint = None
         self.graphed = False  # `run` replays CUDA graphs: checkpoint with RecomputedLayer instead
+        self.run_checkpointed = None
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
         if self.checkpoint is not None and layer.training and torch.is_grad_enabled():
+            if self.run_checkpointed is not None:
+                return self.run_checkpointed(layer, *args, **kwargs)
             if self.graphed and RecomputedLayer.can_run(args, kwargs):
                 return RecomputedLayer.apply(args[0], self, kwargs)
             # The ordinary checkpoint cannot wrap graph replays: such a layer runs eagerly.
@@ -153,7 +160,8 @@ def take_over_checkpointing(model) -> None:
             layer.gradient_checkpointing = False  # transformers' own check: it no longer checkpoints
 
 
-def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False) -> None:
+def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False,
+                   checkpoint_inside: bool = False) -> None:
     """Compiles each layer's forward (regional compilation); the checkpoint stays outside. Layers of
     one class share one compiled function and so one graph: the layer is an input, not a constant.
 
@@ -168,7 +176,12 @@ def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False) -> 
     RecomputedLayer. Their pointwise kernels are not autotuned: Inductor benchmarks a new kernel's
     configurations at its first run, which under the graphs is inside their memory pool, and the pool
     kept the benchmark's buffers for good (+0.10 GiB on an H200 in a run compiling from scratch,
-    none once Inductor's cache held the kernels; bench/results/cuda-graphs-h200.md, section 5)."""
+    none once Inductor's cache held the kernels; bench/results/cuda-graphs-h200.md, section 5).
+
+    `checkpoint_inside` (not with `cuda_graphs`): a checkpointed layer in training runs as one
+    compiled region, checkpoint(forward), so AOTAutograd's partitioner writes the recompute into the
+    backward graph: the forward keeps only the layer's inputs, and backward recomputes only what it
+    reads (not the down projection's frozen matmul, which only feeds the residual)."""
     options = {"fallback_random": True,
                **({"triton.cudagraphs": True, "triton.autotune_pointwise": False} if cuda_graphs else {})}
     compiled: dict[object, object] = {}
@@ -178,6 +191,17 @@ def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False) -> 
             compiled[current.eager] = torch.compile(current.eager, options=options)
         current.run = compiled[current.eager]
         current.graphed = cuda_graphs
+        current.run_checkpointed = None
+        if checkpoint_inside and not cuda_graphs and current.checkpoint is not None:
+            key = (current.eager, current.checkpoint)
+            if key not in compiled:
+                region = functools.partial(_checkpointed, current.checkpoint, current.eager)
+                compiled[key] = torch.compile(region, options=options)
+            current.run_checkpointed = compiled[key]
+
+
+def _checkpointed(checkpoint, forward, layer, *args, **kwargs):
+    return checkpoint(forward, layer, *args, **kwargs)
 
 
 def drop_cuda_graphs(layers: list[torch.nn.Module]) -> bool:
@@ -194,13 +218,28 @@ def drop_cuda_graphs(layers: list[torch.nn.Module]) -> bool:
     return True
 
 
+def move_checkpoints_outside(layers: list[torch.nn.Module]) -> bool:
+    """Layers whose checkpoint was compiled with them keep it outside from now on (after an OOM: the
+    compiled checkpoint's backward peaks higher). False when no layer had it inside."""
+    inside = [layer_forward(layer) for layer in layers if checkpoints_inside(layer)]
+    for current in inside:
+        current.run_checkpointed = None
+    return bool(inside)
+
+
 def uncompile_layers(layers: list[torch.nn.Module]) -> None:
     for layer in layers:
         current = layer_forward(layer)
         current.run = current.eager
         current.graphed = False
+        current.run_checkpointed = None
 
 
 def is_compiled(layer: torch.nn.Module) -> bool:
     current = layer.__dict__.get("forward")
     return isinstance(current, LayerForward) and current.compiled
+
+
+def checkpoints_inside(layer: torch.nn.Module) -> bool:
+    """Whether the layer's checkpoint is compiled with it (`compile_layers(checkpoint_inside=True)`)."""
+    return getattr(layer.__dict__.get("forward"), "run_checkpointed", None) is not None

@@ -54,8 +54,8 @@ def make_tiny_model(folder: str | Path, arch: str = "llama", hidden: int = 64, l
     config = AutoConfig.for_model(
         arch, vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
-        max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **config_overrides)
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        **{"max_position_embeddings": 2048, "tie_word_embeddings": True, **config_overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)

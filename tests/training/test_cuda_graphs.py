@@ -111,3 +111,19 @@ def test_cuda_graphs_true_beside_a_setting_it_cannot_run_with_is_a_config_error(
     ok = make_config(tmp_path / "ok", tiny_model, chat_data, cuda_graphs=True, packing=True,
                      gradient_checkpointing="auto")
     assert load_config(str(ok)).cuda_graphs is True
+
+
+def test_compile_checkpoint_true_beside_a_setting_it_cannot_run_with_is_a_config_error(tiny_model, chat_data,
+                                                                                       tmp_path):
+    from relaytune.config.loader import load_config
+
+    cfg = make_config(tmp_path, tiny_model, chat_data, compile_checkpoint=True, torch_compile=False,
+                      offload_activations=True, gradient_checkpointing=True)
+    with pytest.raises(UserError) as e:
+        load_config(str(cfg))
+    assert str(cfg) in str(e.value)
+    assert ("compile_checkpoint: true compiles each layer's checkpoint with the layer, so it needs "
+            "torch_compile: true (or auto), offload_activations: false; set those, or compile_checkpoint: auto"
+            ) in str(e.value)
+    ok = make_config(tmp_path / "ok", tiny_model, chat_data, compile_checkpoint=True, gradient_checkpointing="auto")
+    assert load_config(str(ok)).compile_checkpoint is True

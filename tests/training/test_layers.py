@@ -1,6 +1,7 @@
 """How a decoder layer runs (relaytune/layers.py): gradient checkpointing wraps the layer's forward from
-outside, so a compiled forward never has the checkpoint inside its graph (transformers 5.2x put it in
-`forward`, and the compiled QLoRA layers of Qwen2.5-3B then kept 4x the memory on an H200)."""
+outside, so a compiled forward does not get transformers' checkpoint inside its graph (transformers 5.2x
+put it in `forward`, and the compiled QLoRA layers of Qwen2.5-3B then kept 4x the memory on an H200),
+unless compile_checkpoint compiles checkpoint(forward) as one region on purpose."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from relaytune.config.schema import TrainConfig
-from relaytune.layers import LayerForward, decoder_layers, is_compiled, layer_forward
+from relaytune.layers import LayerForward, checkpoints_inside, decoder_layers, is_compiled, layer_forward
 from relaytune.model import choose_precision, load_model
 from relaytune.training.loss import causal_lm_loss
 
@@ -69,7 +70,8 @@ def test_a_compiled_checkpointed_layer_saves_only_its_inputs(tiny_model, tmp_pat
     """The tensors kept for backward are the eager checkpoint's (the layer inputs), not what AOTAutograd
     would choose inside a compiled checkpoint (with transformers 5.24 there: 6x as many on this model)."""
     def saved_shapes(compile_setting):
-        model = _model(tiny_model, tmp_path, gradient_checkpointing=True, torch_compile=compile_setting)
+        model = _model(tiny_model, tmp_path, gradient_checkpointing=True, torch_compile=compile_setting,
+                       compile_checkpoint=False)
         assert all(is_compiled(layer) for layer in decoder_layers(model)) is compile_setting
         saved = []
 
@@ -319,3 +321,78 @@ def test_after_an_oom_graphed_layers_compile_again_without_graphs_and_the_graphs
     assert drop_cuda_graphs(layers) is False and resets == [1]  # nothing left to drop
     free_memory(optimizer, model)
     assert "CUDA graphs" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # inductor's C++ compile of the checkpointed training graph: ~20 s on a 2-core machine
+def test_a_checkpoint_compiled_with_the_layer_gives_eagers_loss_and_gradients_and_keeps_its_inputs(
+        tiny_model, tmp_path, one_thread):
+    """compile_checkpoint: the forward keeps what the eager checkpoint keeps (the layer inputs), and with
+    dropout (the partitioner replays its random state in the recompute) the loss is eager's bit for bit."""
+    def run(**kw):
+        model = _model(tiny_model, tmp_path, gradient_checkpointing=True, lora_dropout=0.3, **kw)
+        saved = []
+
+        def keep(tensor):
+            saved.append((tuple(tensor.shape), tensor.dtype))
+            return tensor
+
+        batch = _batch(model.config.vocab_size)
+        for _ in range(2):  # the first step compiles
+            saved.clear()
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(5)  # the same dropout masks in both runs
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                loss = causal_lm_loss(model, batch, BATCH * (SEQ - 1))
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return model, loss.detach(), grads, sorted(saved, key=str)
+
+    model, loss, grads, saved = run(torch_compile=True, compile_checkpoint=True)
+    assert all(checkpoints_inside(layer) for layer in decoder_layers(model))
+    _, eager_loss, eager_grads, eager_saved = run(torch_compile=False)
+    assert saved == eager_saved
+    assert torch.equal(loss, eager_loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_checkpoint_compiled_inside_runs_only_in_training_with_gradients(tiny_model, tmp_path):
+    from relaytune.layers import compile_layers
+
+    model = _model(tiny_model, tmp_path, gradient_checkpointing=True)
+    layers = decoder_layers(model)
+    compile_layers(layers, checkpoint_inside=True)  # lazy: nothing compiles until a call
+    calls = []
+    for layer in layers:
+        current = layer_forward(layer)
+        assert current.run_checkpointed is not None and is_compiled(layer)
+        current.run_checkpointed = lambda *a, **kw: calls.append("inside")
+        current.run = lambda *a, **kw: calls.append("plain")
+    hidden = torch.zeros(1, 3, model.config.hidden_size)
+    layers[0](hidden)
+    with torch.no_grad():
+        layers[0](hidden)
+    layers[0].eval()
+    layers[0](hidden)
+    assert calls == ["inside", "plain", "plain"]
+    compile_layers(layers, cuda_graphs=True, checkpoint_inside=True)
+    assert not any(checkpoints_inside(layer) for layer in layers), "graphed layers use RecomputedLayer"
+    plain = _model(tiny_model, tmp_path, gradient_checkpointing=False)
+    compile_layers(decoder_layers(plain), checkpoint_inside=True)
+    assert not any(checkpoints_inside(layer) for layer in decoder_layers(plain)), "nothing to compile inside"
+
+
+def test_after_an_oom_a_checkpoint_compiled_inside_moves_outside(tiny_model, tmp_path, capsys):
+    from relaytune.layers import compile_layers
+    from relaytune.training.recovery import free_memory
+
+    model = _model(tiny_model, tmp_path, gradient_checkpointing=True)
+    layers = decoder_layers(model)
+    compile_layers(layers, checkpoint_inside=True)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    free_memory(optimizer, model)
+    assert all(is_compiled(layer) and not checkpoints_inside(layer) for layer in layers)
+    assert ("out of memory with the checkpoint compiled inside the layers: it stays outside them for the rest "
+            "of this session (compile_checkpoint), which lowers the backward's peak") in capsys.readouterr().err
+    free_memory(optimizer, model)
+    assert "compile_checkpoint" not in capsys.readouterr().err

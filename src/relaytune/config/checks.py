@@ -178,6 +178,20 @@ def refuse_contradictions(cfg) -> None:
                          "needs gradient_checkpointing: true (or auto)")
     if cfg.cuda_graphs is True:
         _check_cuda_graphs(cfg)
+    if cfg.compile_checkpoint is True:
+        _check_compile_checkpoint(cfg)
+
+
+def _check_compile_checkpoint(cfg) -> None:
+    """compile_checkpoint: true with a setting that keeps the checkpoint out of the compiled layer."""
+    needs = {"torch_compile: true (or auto)": cfg.torch_compile is not False,
+             "gradient_checkpointing: true (or auto)": cfg.gradient_checkpointing is not False,
+             "cuda_graphs: false (or auto)": cfg.cuda_graphs is not True,
+             "offload_activations: false": not cfg.offload_activations}
+    missing = [name for name, ok in needs.items() if not ok]
+    if missing:
+        raise ValueError(f"compile_checkpoint: true compiles each layer's checkpoint with the layer, so it "
+                         f"needs {', '.join(missing)}; set those, or compile_checkpoint: auto")
 
 
 def _check_cuda_graphs(cfg) -> None:

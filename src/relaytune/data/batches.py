@@ -70,10 +70,17 @@ def micro_batches(rows: list[TokenRow], micro_batch_size: int, pad_id: int, flat
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """The micro-batch on `device`. A GPU gets it through pinned memory, without the host waiting:
     a copy from pageable memory first synchronises the stream, so the host would wait for the GPU to
-    finish the previous micro-batch before it could queue this one's kernels."""
+    finish the previous micro-batch before it could queue this one's kernels. Each GPU tensor keeps
+    its pinned source as `host_copy`, for readers on the host (the input embedding in host memory,
+    embedding_offload.py): a copy back would synchronise the same way."""
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    moved = {}
+    for key, value in batch.items():
+        pinned = value.pin_memory()
+        moved[key] = pinned.to(device, non_blocking=True)
+        moved[key].host_copy = pinned
+    return moved
 
 
 def collate(rows: list[TokenRow], pad_id: int, flat: bool = False,

@@ -104,7 +104,8 @@ def check_isolation(model) -> str | None:
     a, b = (torch.randint(min(10, vocab - 1), min(1000, vocab), (1, n), generator=gen) for n in (12, 9))
     ids = torch.cat([a, b], dim=1)
     pos = torch.cat([torch.arange(12), torch.arange(9)])[None]
-    device = next(model.parameters()).device
+    # The decoder's device: the input embedding may be in host memory (offload_embeddings).
+    device = next((p.device for p in model.parameters() if p.device.type != "cpu"), torch.device("cpu"))
     was_training = model.training
     model.eval()  # no dropout, so the passes are comparable
     # Eager even where the layers are compiled: these three tiny inference shapes would each cost a

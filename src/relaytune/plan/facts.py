@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from relaytune.embedding_offload import AUTO_MIN_BYTES
 from relaytune.training.loss_settings import CHUNK_TOKENS, PLAIN_HEAD
 
 
@@ -13,3 +14,8 @@ def chunk_tokens() -> int:
 def plain_head_types() -> frozenset[str]:
     """Model types that get the chunked loss; the others materialise the full logits."""
     return PLAIN_HEAD
+
+
+def embedding_offload_min_bytes() -> int:
+    """offload_embeddings: auto moves an untied frozen input embedding this large to host memory."""
+    return AUTO_MIN_BYTES

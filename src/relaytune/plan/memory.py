@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from relaytune.errors import UserError
 from relaytune.plan.architectures import Architecture
-from relaytune.plan.facts import chunk_tokens, plain_head_types
+from relaytune.plan.facts import chunk_tokens, embedding_offload_min_bytes, plain_head_types
 from relaytune.plan.gpus import CUDA_CONTEXT_GIB
 from relaytune.training.cuda_graphs import auto_turns_on
 
@@ -62,6 +62,12 @@ BACKWARD_PLAIN = 1.6
 # few kernels around bitsandbytes' dequantizing matmuls, which are graph breaks. Fitted to the eight
 # compiled QLoRA cases with checkpointing in bench/results/planner.md (no held-out check yet).
 BACKWARD_COMPILED_QUANTIZED = 1.5
+# compile_checkpoint: the compiled backward graph recomputes the layer and holds more MLP-sized buffers at
+# once (Inductor keeps the frozen and LoRA outputs of gate and up apart). Its two H200 measurements at
+# seq 2048 (bench/results/vs-trl-h200.md, thirteenth session) peaked 0.656 GiB (Llama-3-8B QLoRA bs 2) and
+# 0.637 GiB (Qwen2.5-3B QLoRA bs 4) above the checkpoint outside, which this model overestimates by 0.31
+# and 0.14 GiB; 3.5 puts both totals just above what was measured (8.54 against 8.51, 5.68 against 5.59).
+BACKWARD_CHECKPOINT_INSIDE = 3.5
 BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, whatever the batch
 # With offload_activations, what stayed on the GPU beyond the other parts, per token of the micro-batch:
 # 1.08 GiB at 32,768 tokens (Qwen2.5-3B QLoRA, micro-batch 16) and 0.55 GiB at 16,384 (Llama-3-8B QLoRA,
@@ -102,6 +108,11 @@ class Settings:
     # (training/cuda_graphs.auto_turns_on at the GPU's dense peak, graphs_peak_flops).
     graphs: str = "off"
     graphs_peak_flops: float = 0.0
+    # offload_embeddings as it resolves on a GPU: "off", "on", or "auto" (an untied table this large,
+    # facts.embedding_offload_min_bytes); either way only an untied input table leaves the GPU.
+    offload_embeddings: str = "off"
+    compile_checkpoint: bool = False  # compile_checkpoint allowed (in force where the layers are compiled,
+    # checkpointed, and neither graphed at this micro-batch nor offloaded)
 
 
 @dataclass
@@ -145,9 +156,12 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
     if gradient_checkpointing:
         parts["saved activations"] = tokens * OFFLOAD_RESIDUAL_PER_TOKEN if s.offload_activations \
             else arch.num_layers * tokens * a * arch.hidden_size
-        if replays_graphs(arch, s, tokens):
+        graphs = replays_graphs(arch, s, tokens)
+        if graphs:
             parts["CUDA graphs"] = GRAPHS_EXTRA
-        layer_phase = {"recomputed layer": tokens * layer, "backward working set": working_set(arch, s, tokens)}
+        inside = s.compile_checkpoint and s.compiled_layers and not graphs and not s.offload_activations
+        layer_phase = {"recomputed layer": tokens * layer,
+                       "backward working set": working_set(arch, s, tokens, inside)}
     else:
         parts["saved activations"] = arch.num_layers * tokens * layer
         layer_phase = {"backward working set": working_set(arch, s, tokens)}
@@ -210,7 +224,15 @@ def weight_bytes(arch: Architecture, s: Settings) -> int:
         quantized = linear + 4 * rows  # int8 weights and one fp32 scale per output row
     else:
         quantized = linear * a
-    return int(quantized + (arch.embedding_params() + arch.other_params()) * a)
+    embeddings = arch.embedding_params() - (arch.vocab_size * arch.hidden_size if embeddings_offloaded(arch, s) else 0)
+    return int(quantized + (embeddings + arch.other_params()) * a)
+
+
+def embeddings_offloaded(arch: Architecture, s: Settings) -> bool:
+    """Whether the input embedding is in host memory (embedding_offload.offload_decision's rule)."""
+    table = arch.vocab_size * arch.hidden_size * DTYPE_BYTES[s.compute_dtype]
+    wanted = s.offload_embeddings == "on" or (s.offload_embeddings == "auto" and table >= embedding_offload_min_bytes())
+    return wanted and not arch.tied_embeddings
 
 
 def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int = 4) -> tuple[int, int]:
@@ -270,13 +292,16 @@ def lora_saved_bytes(arch: Architecture, s: Settings) -> int:
     return total
 
 
-def working_set(arch: Architecture, s: Settings, tokens: int) -> int:
-    """Temporaries of one layer's backward (gradients in flight), beyond what the layer saved."""
+def working_set(arch: Architecture, s: Settings, tokens: int, checkpoint_inside: bool = False) -> int:
+    """Temporaries of one layer's backward (gradients in flight), beyond what the layer saved;
+    `checkpoint_inside`: the recompute runs in the compiled backward graph (compile_checkpoint)."""
     a = DTYPE_BYTES[s.compute_dtype]
     casts = s.quantization == "none" and a == 2
     coefficient = BACKWARD_FP32_CAST if casts else BACKWARD_PLAIN
     if s.compiled_layers and s.quantization != "none":
         coefficient += BACKWARD_COMPILED_QUANTIZED
+    if checkpoint_inside:
+        coefficient += BACKWARD_CHECKPOINT_INSIDE
     return int(coefficient * a * arch.intermediate_size * tokens) + BACKWARD_FIXED
 
 
@@ -307,6 +332,8 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
              "fp4": "linear layers in FP4"}[s.quantization]
     rest = "" if s.quantization == "none" else \
         f", embeddings{'' if arch.tied_embeddings else ' and head'} in {s.compute_dtype}"
+    if embeddings_offloaded(arch, s):
+        rest += "; the input embedding in CPU memory (offload_embeddings)"
     adapter = "fp32" if s.adapter_bytes == 4 else "bf16"
     opt = {"adamw_torch": f"two {adapter} moments", "adamw_8bit": "8-bit moments",
            "paged_adamw_8bit": "8-bit moments"}[s.optim]

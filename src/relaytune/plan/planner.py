@@ -54,7 +54,17 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu),
         offload_activations=bool(getattr(cfg, "offload_activations", False)),
         adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4,
-        graphs=graphs_setting(cfg, gpu, dtype), graphs_peak_flops=(gpu.tflops or 0.0) * 1e12)
+        graphs=graphs_setting(cfg, gpu, dtype), graphs_peak_flops=(gpu.tflops or 0.0) * 1e12,
+        offload_embeddings=offload_setting(cfg),
+        compile_checkpoint=getattr(cfg, "compile_checkpoint", False) is not False)
+
+
+def offload_setting(cfg) -> str:
+    """offload_embeddings as embedding_offload.py resolves it on a GPU: off under FSDP (the table is sharded)."""
+    setting = getattr(cfg, "offload_embeddings", False)
+    if setting is False or getattr(cfg, "fsdp", False) is True:
+        return "off"
+    return "on" if setting is True else "auto"
 
 
 def graphs_setting(cfg, gpu: Gpu, dtype: str) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from relaytune.config.schema import TrainConfig
-from relaytune.layers import decoder_layers, drop_cuda_graphs
+from relaytune.layers import decoder_layers, drop_cuda_graphs, move_checkpoints_outside
 from relaytune.log import warn
 
 GIB = 1024 ** 3
@@ -58,11 +58,15 @@ class NoSmallerBatch(Exception):
 
 def free_memory(optimizer, model=None) -> None:
     """Drop the partial gradients of the failed step and give cached memory back; compiled layers
-    that replay CUDA graphs stop replaying them for the rest of the session."""
+    that replay CUDA graphs stop replaying them, and those whose checkpoint was compiled inside keep it
+    outside, for the rest of the session."""
     optimizer.zero_grad(set_to_none=True)
     if model is not None and drop_cuda_graphs(decoder_layers(model)):
         warn("out of memory with CUDA graphs on: the layers run without them for the rest of this session, "
              "and the graphs' memory is freed")
+    if model is not None and move_checkpoints_outside(decoder_layers(model)):
+        warn("out of memory with the checkpoint compiled inside the layers: it stays outside them for the "
+             "rest of this session (compile_checkpoint), which lowers the backward's peak")
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

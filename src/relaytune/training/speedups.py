@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from relaytune.layers import compile_layers, decoder_layers, is_compiled, uncompile_layers
+from relaytune.layers import checkpoints_inside, compile_layers, decoder_layers, is_compiled, uncompile_layers
 from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears
 from relaytune.log import info, notice, warn
 from relaytune.training import document_mask
@@ -126,15 +126,24 @@ def _apply_compile(model, cfg, precision) -> list[str]:
     graphs, why = graphs_decision(cfg, precision.device, layers, bf16=precision.autocast == torch.bfloat16)
     if why:
         notice(f"cuda_graphs: off ({why})")
+    inside = checkpoint_inside_decision(cfg, graphs)
     try:
-        compile_layers(layers, cuda_graphs=graphs)
+        compile_layers(layers, cuda_graphs=graphs, checkpoint_inside=inside)
         fused = fuse_4bit_linears(layers, precision.autocast)
     except Exception:
         uncompile_layers(layers)  # all or none
         unfuse_4bit_linears(layers)
         raise
     return [f"torch.compile on each of {len(layers)} decoder layers"
-            + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "") + (", CUDA graphs" if graphs else "")]
+            + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "") + (", CUDA graphs" if graphs else "")
+            + (", checkpoint compiled inside" if any(checkpoints_inside(layer) for layer in layers) else "")]
+
+
+def checkpoint_inside_decision(cfg, graphs: bool) -> bool:
+    """compile_checkpoint: whether a compiled layer's checkpoint is compiled with it (config checks
+    refuse `true` beside the settings that rule it out; auto gives way to them)."""
+    setting = getattr(cfg, "compile_checkpoint", False)
+    return setting is not False and not graphs and not getattr(cfg, "offload_activations", False)
 
 
 def batch_width(model, cfg) -> int | None:

@@ -25,6 +25,7 @@ from relaytune.data import prepare_data
 from relaytune.data.batches import DataOrder, total_steps
 from relaytune.data.packing import check_isolation
 from relaytune.distributed import agree, fsdp, world
+from relaytune.embedding_offload import place_input_embedding
 from relaytune.errors import StoppedEarly, UserError
 from relaytune.log import info, warn
 from relaytune.model import (
@@ -125,6 +126,8 @@ class Trainer:
         if self.sharded:
             fsdp.shard(model, self.world)
             report.add("strategy", f"FSDP2: the base sharded over {self.world.size} processes, LoRA replicated")
+        if row := place_input_embedding(model, cfg, self.precision.device, self.sharded):
+            report.add("input embedding", row)
         if cfg.packing and (why := check_isolation(model)):
             raise UserError(f"`packing`: {why}; set packing: false")
         optimizer = build_optimizer(cfg, model)

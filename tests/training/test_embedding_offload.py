@@ -1,0 +1,130 @@
+"""The input embedding in host memory (relaytune/embedding_offload.py, `offload_embeddings`): which
+tables qualify, that the lookup gives the same loss and gradients bit for bit, that it reads the batch's
+host copy instead of copying the ids back from the GPU, and what the planner counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relaytune.config.schema import TrainConfig
+from relaytune.embedding_offload import (
+    AUTO_MIN_BYTES,
+    HostLookup,
+    offload_decision,
+    offload_input_embedding,
+    offloadable,
+    place_input_embedding,
+)
+from relaytune.model import choose_precision, load_model
+from relaytune.tiny import make_tiny_model
+from relaytune.training.loss import causal_lm_loss
+
+CUDA = torch.device("cuda")  # only a device object here: the decisions never touch a GPU
+
+
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("untied"), tie_word_embeddings=False)
+
+
+def _load(folder, tmp_path, **kw):
+    cfg = TrainConfig(model=str(folder), dataset="unused.jsonl", output_dir=str(tmp_path / "run"),
+                      lora_dropout=0.0, **kw)
+    torch.manual_seed(0)
+    model = load_model(cfg, choose_precision(cfg))
+    model.train()
+    return cfg, model
+
+
+def _loss_and_grads(model):
+    ids = torch.randint(10, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    loss = causal_lm_loss(model, {"input_ids": ids, "labels": ids.clone()}, 2 * 23)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_tied_or_trained_table_stays_where_it_is(tiny_model, untied_model, tmp_path):
+    _, tied = _load(tiny_model, tmp_path)
+    assert offloadable(tied) is None, "the output head reads the same weight"
+    assert offload_decision("auto", tied, CUDA, sharded=False) == (False, None)
+    assert offload_decision(True, tied, CUDA, sharded=False) == (
+        False, "the input embedding is tied to the output head, trains, or is not a plain nn.Embedding")
+
+    _, untied = _load(untied_model, tmp_path)
+    assert offloadable(untied) is untied.get_input_embeddings()
+    untied.get_input_embeddings().weight.requires_grad_(True)
+    assert offloadable(untied) is None, "a table that trains keeps its gradient on the GPU"
+
+
+def test_auto_moves_only_a_large_table_and_never_on_the_cpu_or_under_fsdp(untied_model, tmp_path):
+    _, model = _load(untied_model, tmp_path)
+    table = model.get_input_embeddings().weight
+    assert table.numel() * table.element_size() < AUTO_MIN_BYTES
+    assert offload_decision("auto", model, CUDA, sharded=False) == (False, None), "too small to pay"
+    assert offload_decision(True, model, CUDA, sharded=False) == (True, None)
+    assert offload_decision(False, model, CUDA, sharded=False) == (False, None)
+    assert offload_decision(True, model, torch.device("cpu"), sharded=False) == (
+        False, "the model is on the CPU already")
+    assert offload_decision(True, model, CUDA, sharded=True) == (
+        False, "FSDP shards the base, the table with it")
+    assert offload_decision("auto", model, torch.device("cpu"), sharded=False) == (False, None)
+
+
+def test_asking_on_the_cpu_says_why_and_changes_nothing(untied_model, tmp_path, capsys):
+    cfg, model = _load(untied_model, tmp_path, offload_embeddings=True)
+    assert place_input_embedding(model, cfg, torch.device("cpu"), sharded=False) is None
+    assert "offload_embeddings: off (the model is on the CPU already)" in capsys.readouterr().err
+    assert not isinstance(model.get_input_embeddings().__dict__.get("forward"), HostLookup)
+
+
+def test_the_host_lookup_gives_the_same_loss_and_gradients_bit_for_bit(untied_model, tmp_path):
+    _, plain = _load(untied_model, tmp_path)
+    plain_loss, plain_grads = _loss_and_grads(plain)
+
+    _, model = _load(untied_model, tmp_path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    embedding = model.get_input_embeddings()
+    freed = offload_input_embedding(model, torch.device("cpu"))
+    assert freed == embedding.weight.numel() * embedding.weight.element_size()
+    assert isinstance(embedding.__dict__["forward"], HostLookup)
+    assert offloadable(model) is None, "offloaded once, not twice"
+    assert offload_input_embedding(model, torch.device("cpu")) == 0
+
+    loss, grads = _loss_and_grads(model)
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    after = model.state_dict()
+    assert after.keys() == before.keys(), "the adapter and the saved state see the same model"
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_the_lookup_reads_the_batchs_host_copy_instead_of_copying_the_ids_back(untied_model, tmp_path):
+    """On a GPU, data/batches.to_device leaves each device tensor its pinned source as `host_copy`;
+    reading `.to("cpu")` of the device tensor would wait for every kernel queued before it."""
+    _, model = _load(untied_model, tmp_path)
+    embedding = model.get_input_embeddings()
+    offload_input_embedding(model, torch.device("cpu"))
+    device_ids, host_ids = torch.tensor([[3, 4, 5]]), torch.tensor([[7, 8, 9]])
+    device_ids.host_copy = host_ids
+    assert torch.equal(embedding(device_ids), embedding.weight[host_ids[0]][None])
+    assert torch.equal(embedding(host_ids), embedding.weight[host_ids[0]][None])
+
+
+def test_the_plan_counts_the_table_in_host_memory_only_where_it_is_untied():
+    from relaytune.plan import make_plan, parse_gpu, resolve_architecture
+
+    def plan(model, **kw):
+        cfg = TrainConfig(model=model, dataset="data.jsonl", output_dir="run", load_in_4bit=True, bf16=True,
+                          gradient_checkpointing=True, packing=True, max_seq_length=2048,
+                          per_device_train_batch_size=2, optim="paged_adamw_8bit", **kw)
+        return make_plan(cfg, parse_gpu("H200"))
+
+    llama = resolve_architecture("meta-llama/Meta-Llama-3-8B")
+    auto, off = plan("meta-llama/Meta-Llama-3-8B"), plan("meta-llama/Meta-Llama-3-8B", offload_embeddings=False)
+    frozen = "frozen weights"
+    assert off.memory.parts[frozen] - auto.memory.parts[frozen] == llama.vocab_size * llama.hidden_size * 2
+    qwen = "Qwen/Qwen2.5-3B-Instruct"
+    assert plan(qwen).memory.parts[frozen] == plan(qwen, offload_embeddings=False).memory.parts[frozen]
+    assert plan("meta-llama/Meta-Llama-3-8B", fsdp=True).memory.parts[frozen] == off.memory.parts[frozen]
