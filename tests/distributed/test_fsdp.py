@@ -124,9 +124,10 @@ def test_sharded_4bit_loads_with_float_storage_of_the_parameter_dtype():
     from relaytune.errors import UserError
 
     cfg = TrainConfig(model="m", dataset="d.jsonl", output_dir="run", load_in_4bit=True)
-    assert load_settings(cfg, torch.bfloat16) == {"bnb_4bit_quant_storage": "bfloat16", "torch_compile": False}
-    assert load_settings(cfg.model_copy(update={"torch_compile": True}), torch.float16) == \
-        {"bnb_4bit_quant_storage": "float16"}
+    assert load_settings(cfg, torch.bfloat16) == {"bnb_4bit_quant_storage": "bfloat16", "torch_compile": False,
+                                                  "compile_checkpoint": False}
+    asked = cfg.model_copy(update={"torch_compile": True, "compile_checkpoint": True})
+    assert load_settings(asked, torch.float16) == {"bnb_4bit_quant_storage": "float16"}
     with pytest.raises(UserError) as e:
         load_settings(cfg.model_copy(update={"bnb_4bit_quant_storage": "float16"}), torch.bfloat16)
     assert str(e.value) == ("`bnb_4bit_quant_storage`: float16 cannot be sharded with FSDP (FSDP all-gathers the "
@@ -135,4 +136,4 @@ def test_sharded_4bit_loads_with_float_storage_of_the_parameter_dtype():
     with pytest.raises(UserError, match="uint8 storage is turned into plain tensors by FSDP"):
         load_settings(cfg.model_copy(update={"bnb_4bit_quant_storage": "uint8"}), torch.bfloat16)
     plain = TrainConfig(model="m", dataset="d.jsonl", output_dir="run")
-    assert load_settings(plain, torch.float32) == {"torch_compile": False}
+    assert load_settings(plain, torch.float32) == {"torch_compile": False, "compile_checkpoint": False}

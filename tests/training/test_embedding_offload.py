@@ -128,3 +128,25 @@ def test_the_plan_counts_the_table_in_host_memory_only_where_it_is_untied():
     qwen = "Qwen/Qwen2.5-3B-Instruct"
     assert plan(qwen).memory.parts[frozen] == plan(qwen, offload_embeddings=False).memory.parts[frozen]
     assert plan("meta-llama/Meta-Llama-3-8B", fsdp=True).memory.parts[frozen] == off.memory.parts[frozen]
+
+
+def test_compile_checkpoint_auto_goes_inside_only_where_the_embedding_leaves_the_gpu(
+        tiny_model, untied_model, tmp_path, monkeypatch):
+    """The compiled checkpoint raises the backward peak; auto takes it only where the table's move to
+    host memory pays for that (speedups.checkpoint_inside_decision)."""
+    from relaytune import embedding_offload
+    from relaytune.training.speedups import checkpoint_inside_decision
+
+    monkeypatch.setattr(embedding_offload, "AUTO_MIN_BYTES", 0)  # the tiny table counts as large
+    cfg, untied = _load(untied_model, tmp_path)
+    _, tied = _load(tiny_model, tmp_path)
+    assert cfg.compile_checkpoint == "auto" and cfg.offload_embeddings == "auto"
+    assert checkpoint_inside_decision(cfg, False, untied, CUDA)
+    assert not checkpoint_inside_decision(cfg, False, tied, CUDA), "a tied table stays: nothing pays"
+    assert not checkpoint_inside_decision(cfg, False, untied, torch.device("cpu"))
+    assert not checkpoint_inside_decision(cfg.model_copy(update={"offload_embeddings": False}), False, untied, CUDA)
+    assert not checkpoint_inside_decision(cfg, True, untied, CUDA), "graphed layers checkpoint their own way"
+    assert not checkpoint_inside_decision(cfg.model_copy(update={"offload_activations": True}), False, untied, CUDA)
+    asked = cfg.model_copy(update={"compile_checkpoint": True})
+    assert checkpoint_inside_decision(asked, False, tied, torch.device("cpu")), "asked for: wherever it can run"
+    assert not checkpoint_inside_decision(cfg.model_copy(update={"compile_checkpoint": False}), False, untied, CUDA)

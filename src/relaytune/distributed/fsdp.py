@@ -68,6 +68,8 @@ def load_settings(cfg, param_dtype) -> dict:
         settings["bnb_4bit_quant_storage"] = storage
     if cfg.torch_compile == "auto":
         settings["torch_compile"] = False
+    if cfg.compile_checkpoint == "auto":  # what pays for it, the embedding in host memory, is sharded here
+        settings["compile_checkpoint"] = False
     return settings
 
 

@@ -111,8 +111,9 @@ class Settings:
     # offload_embeddings as it resolves on a GPU: "off", "on", or "auto" (an untied table this large,
     # facts.embedding_offload_min_bytes); either way only an untied input table leaves the GPU.
     offload_embeddings: str = "off"
-    compile_checkpoint: bool = False  # compile_checkpoint allowed (in force where the layers are compiled,
-    # checkpointed, and neither graphed at this micro-batch nor offloaded)
+    # compile_checkpoint: "off", "on", or "auto" (on where the input embedding is offloaded); either way in
+    # force only where the layers are compiled, checkpointed, and neither graphed at this micro-batch nor offloaded.
+    compile_checkpoint: str = "off"
 
 
 @dataclass
@@ -159,7 +160,7 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
         graphs = replays_graphs(arch, s, tokens)
         if graphs:
             parts["CUDA graphs"] = GRAPHS_EXTRA
-        inside = s.compile_checkpoint and s.compiled_layers and not graphs and not s.offload_activations
+        inside = checkpoint_inside(arch, s) and s.compiled_layers and not graphs and not s.offload_activations
         layer_phase = {"recomputed layer": tokens * layer,
                        "backward working set": working_set(arch, s, tokens, inside)}
     else:
@@ -226,6 +227,11 @@ def weight_bytes(arch: Architecture, s: Settings) -> int:
         quantized = linear * a
     embeddings = arch.embedding_params() - (arch.vocab_size * arch.hidden_size if embeddings_offloaded(arch, s) else 0)
     return int(quantized + (embeddings + arch.other_params()) * a)
+
+
+def checkpoint_inside(arch: Architecture, s: Settings) -> bool:
+    """compile_checkpoint as speedups.checkpoint_inside_decision resolves it, before graphs and offloading."""
+    return s.compile_checkpoint == "on" or (s.compile_checkpoint == "auto" and embeddings_offloaded(arch, s))
 
 
 def embeddings_offloaded(arch: Architecture, s: Settings) -> bool:

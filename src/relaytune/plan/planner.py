@@ -56,7 +56,15 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4,
         graphs=graphs_setting(cfg, gpu, dtype), graphs_peak_flops=(gpu.tflops or 0.0) * 1e12,
         offload_embeddings=offload_setting(cfg),
-        compile_checkpoint=getattr(cfg, "compile_checkpoint", False) is not False)
+        compile_checkpoint=checkpoint_setting(cfg))
+
+
+def checkpoint_setting(cfg) -> str:
+    """compile_checkpoint as speedups.py resolves it: auto is off under FSDP (fsdp.load_settings)."""
+    setting = getattr(cfg, "compile_checkpoint", False)
+    if setting is False or (setting == "auto" and getattr(cfg, "fsdp", False) is True):
+        return "off"
+    return "on" if setting is True else "auto"
 
 
 def offload_setting(cfg) -> str:

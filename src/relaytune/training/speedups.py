@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from relaytune.embedding_offload import offload_decision
 from relaytune.layers import checkpoints_inside, compile_layers, decoder_layers, is_compiled, uncompile_layers
 from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears
 from relaytune.log import info, notice, warn
@@ -126,7 +127,7 @@ def _apply_compile(model, cfg, precision) -> list[str]:
     graphs, why = graphs_decision(cfg, precision.device, layers, bf16=precision.autocast == torch.bfloat16)
     if why:
         notice(f"cuda_graphs: off ({why})")
-    inside = checkpoint_inside_decision(cfg, graphs)
+    inside = checkpoint_inside_decision(cfg, graphs, model, precision.device)
     try:
         compile_layers(layers, cuda_graphs=graphs, checkpoint_inside=inside)
         fused = fuse_4bit_linears(layers, precision.autocast)
@@ -139,11 +140,18 @@ def _apply_compile(model, cfg, precision) -> list[str]:
             + (", checkpoint compiled inside" if any(checkpoints_inside(layer) for layer in layers) else "")]
 
 
-def checkpoint_inside_decision(cfg, graphs: bool) -> bool:
+def checkpoint_inside_decision(cfg, graphs: bool, model, device: torch.device) -> bool:
     """compile_checkpoint: whether a compiled layer's checkpoint is compiled with it (config checks
-    refuse `true` beside the settings that rule it out; auto gives way to them)."""
+    refuse `true` beside the settings that rule it out; auto gives way to them). auto takes it only
+    where the input embedding goes to host memory (offload_embeddings), which pays for its higher
+    backward peak: elsewhere (a tied embedding, as Qwen2.5's) it would raise the peak above TRL's."""
     setting = getattr(cfg, "compile_checkpoint", False)
-    return setting is not False and not graphs and not getattr(cfg, "offload_activations", False)
+    if setting is False or graphs or getattr(cfg, "offload_activations", False):
+        return False
+    if setting is True:
+        return True
+    offloaded, _ = offload_decision(getattr(cfg, "offload_embeddings", False), model, device, sharded=False)
+    return offloaded
 
 
 def batch_width(model, cfg) -> int | None:
