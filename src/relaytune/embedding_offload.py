@@ -29,9 +29,11 @@ class HostLookup:
     def __init__(self, module: torch.nn.Embedding, device: torch.device):
         self.module, self.device = module, device
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        """nn.Embedding.forward's call: the ids positionally or as `input`."""
         import torch
 
+        input_ids = args[0] if args else kwargs["input"]
         weight = self.module.weight
         # The batch's pinned source when it has one (data/batches.py): copying the ids back from the
         # GPU would make the host wait there for all the kernels queued before it.

@@ -110,6 +110,7 @@ def test_the_lookup_reads_the_batchs_host_copy_instead_of_copying_the_ids_back(u
     device_ids.host_copy = host_ids
     assert torch.equal(embedding(device_ids), embedding.weight[host_ids[0]][None])
     assert torch.equal(embedding(host_ids), embedding.weight[host_ids[0]][None])
+    assert torch.equal(embedding(input=device_ids), embedding.weight[host_ids[0]][None]), "forward's own name"
 
 
 def test_the_plan_counts_the_table_in_host_memory_only_where_it_is_untied():

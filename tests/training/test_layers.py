@@ -396,3 +396,11 @@ def test_after_an_oom_a_checkpoint_compiled_inside_moves_outside(tiny_model, tmp
             "of this session (compile_checkpoint), which lowers the backward's peak") in capsys.readouterr().err
     free_memory(optimizer, model)
     assert "compile_checkpoint" not in capsys.readouterr().err
+
+
+def test_compile_checkpoint_true_that_cannot_apply_as_the_model_loads_says_so(tiny_model, tmp_path, capsys):
+    """gradient_checkpointing: auto is resolved after the model loads; until then there is no checkpoint
+    to compile with the layer, and an explicit `true` is not dropped in silence."""
+    model = _model(tiny_model, tmp_path, torch_compile=True, gradient_checkpointing="auto", compile_checkpoint=True)
+    assert all(is_compiled(layer) and not checkpoints_inside(layer) for layer in decoder_layers(model))
+    assert "compile_checkpoint: off (gradient checkpointing is off as the model loads)" in capsys.readouterr().err

@@ -135,9 +135,14 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         uncompile_layers(layers)  # all or none
         unfuse_4bit_linears(layers)
         raise
+    inside = any(map(checkpoints_inside, layers))
+    if getattr(cfg, "compile_checkpoint", False) is True and not inside:
+        notice("compile_checkpoint: off (" + ("the layers replay CUDA graphs, which checkpoint their own way"
+                                              if graphs else "gradient checkpointing is off as the model loads")
+               + ")")
     return [f"torch.compile on each of {len(layers)} decoder layers"
             + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "") + (", CUDA graphs" if graphs else "")
-            + (", checkpoint compiled inside" if any(checkpoints_inside(layer) for layer in layers) else "")]
+            + (", checkpoint compiled inside" if inside else "")]
 
 
 def checkpoint_inside_decision(cfg, graphs: bool, model, device: torch.device) -> bool:
