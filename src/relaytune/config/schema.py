@@ -191,20 +191,15 @@ class TrainConfig(BaseModel):
     and one GPU. auto: on in bf16 where a layer's forward at the GPU's peak takes under 1.5 ms (the
     host bounds it), else off. Same maths, so changing it on resume is allowed."""
     compile_checkpoint: bool | Literal["auto"] = "auto"
-    """Compile each decoder layer's gradient checkpoint together with the layer, so backward recomputes
-    only what it reads (the down projection's frozen matmul, for one, is skipped) and each layer is one
-    compiled call per pass. On an H200: Llama-3-8B QLoRA 8.7% faster, Qwen2.5-3B QLoRA 12%, for a
-    backward peak 0.64 GiB higher in both (Inductor keeps more MLP-sized buffers alive there). Needs
+    """Compile each decoder layer's gradient checkpoint with the layer, so backward recomputes only what
+    it reads (H200: Llama-3-8B QLoRA 8.7% faster, for a backward peak 0.64 GiB higher). Needs
     torch_compile and gradient_checkpointing; not with cuda_graphs or offload_activations. auto: on
-    where offload_embeddings moves the input embedding to CPU memory, which pays for it (Llama-3-8B
-    QLoRA at micro-batch 2: 7.53 GiB, against 7.85 with neither); after an OOM the retry keeps the
-    checkpoint outside. Equal within rounding, so changing it on resume is allowed."""
+    where offload_embeddings moves the input embedding to CPU memory, which pays for it; after an OOM
+    the checkpoint stays outside. Equal within rounding, so changing it on resume is allowed."""
     offload_embeddings: bool | Literal["auto"] = "auto"
-    """Keep the input embedding table in CPU memory and copy to the GPU only the rows each batch looks
-    up (exact: a lookup copies the same values). Only for a frozen table that is not tied to the output
-    head: Llama-3-8B's (128,256 x 4,096 in bf16) is 0.98 GiB of GPU memory, and a micro-batch of 4,096
-    tokens copies 32 MiB. auto: on for CUDA runs when the table is at least 256 MiB (not under FSDP,
-    which shards it). Same maths, so changing it on resume is allowed."""
+    """Keep a frozen input embedding not tied to the output head in CPU memory; each batch copies only
+    its rows to the GPU (the same values). Llama-3-8B's is 0.98 GiB of GPU memory. auto: on for CUDA
+    runs when the table is at least 256 MiB, not under FSDP. Changing it on resume is allowed."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Attention for packed batches. flex: FlexAttention with one document mask per batch (packed
     samples never see each other), on CUDA GPUs of compute capability 7.5+ (a T4 or newer); sdpa:
