@@ -170,3 +170,29 @@ def test_fp16_given_the_scalers_scale_the_loss_takes_the_fused_path(tiny_model, 
     fused, recomputed = results
     for name, grad in recomputed.items():
         torch.testing.assert_close(fused[name], grad, rtol=0.02, atol=1e-6, msg=name)
+
+
+def test_the_labelled_positions_come_from_the_batchs_host_copy_when_it_has_one(tiny_model, one_thread):
+    """On a GPU the batch keeps its pinned source as `host_copy` (data/batches.to_device); the
+    positions are found there, so the host never waits for the forward. Here the copy differs
+    from the tensor on purpose, to show which one is read; with equal copies the loss is the same."""
+    from relaytune.training.loss import labelled_positions
+
+    labels = torch.tensor([[-100, 5, 6, -100], [7, -100, 8, 9]])
+    keep, targets = labelled_positions(labels, torch.device("cpu"))
+    assert keep.tolist() == [0, 1, 5, 6] and targets.tolist() == [5, 6, 8, 9]
+    other = labels.clone()
+    other[0, 1] = -100
+    labels.host_copy = other
+    keep, targets = labelled_positions(labels, torch.device("cpu"))
+    assert keep.tolist() == [1, 5, 6] and targets.tolist() == [6, 8, 9]
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=4, lora_dropout=0.0))
+    ids = torch.randint(5, model.config.vocab_size, (2, 50), generator=torch.Generator().manual_seed(1))
+    plain = {"input_ids": ids, "labels": ids.clone()}
+    plain["labels"][:, :10] = -100
+    copied = dict(plain, labels=plain["labels"].clone())
+    copied["labels"].host_copy = plain["labels"].clone()
+    with torch.no_grad():
+        assert torch.equal(causal_lm_loss(model, plain, 80), causal_lm_loss(model, copied, 80))

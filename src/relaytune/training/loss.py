@@ -47,12 +47,8 @@ def causal_lm_loss(model, batch: dict, num_items: int, chunked: bool = True,
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = lm.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    labels = batch["labels"]
-    # Position t predicts token t+1; the last position predicts nothing.
-    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1).reshape(-1)
-    keep = (targets != IGNORE).nonzero(as_tuple=True)[0]
+    keep, targets = labelled_positions(batch["labels"], hidden.device)
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
-    targets = targets.index_select(0, keep)
     head = lm.get_output_embeddings()
     dtype = compute_dtype(head, hidden)
     if torch.is_grad_enabled() and hidden.requires_grad and fused_gradient(head, dtype, loss_scale is not None):
@@ -66,6 +62,23 @@ def causal_lm_loss(model, batch: dict, num_items: int, chunked: bool = True,
         else:
             total = total + _chunk_loss(head, h, t)
     return total / num_items
+
+
+def labelled_positions(labels: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat positions that predict a labelled token (position t predicts token t+1; the last
+    predicts nothing), and those tokens, on `device`. Found on the host from the batch's pinned copy
+    when it has one (data/batches.to_device): `nonzero` on the GPU would make the host wait for the
+    whole decoder forward before it could queue the head and the backward."""
+    host = getattr(labels, "host_copy", None)
+    source = labels if host is None else host
+    targets = torch.cat([source[:, 1:], torch.full_like(source[:, :1], IGNORE)], dim=1).reshape(-1)
+    keep = (targets != IGNORE).nonzero(as_tuple=True)[0]
+    targets = targets.index_select(0, keep)
+    if host is None:
+        return keep, targets
+    if device.type != "cuda":
+        return keep.to(device), targets.to(device)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in (keep, targets))
 
 
 def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
