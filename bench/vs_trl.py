@@ -146,10 +146,20 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
 
 
 def _has_oom_event(run_dir: Path) -> bool:
+    """Whether relaytune halved its micro-batch after an OOM. An OOM redone at the same micro-batch
+    (CUDA graphs or the compiled checkpoint given up) still fits that micro-batch."""
     try:
-        return '"event": "oom"' in (run_dir / "metrics.jsonl").read_text().replace('"event":"oom"', '"event": "oom"')
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
         return False
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line still being written
+        if record.get("event") == "oom" and record.get("micro_batch_size", 0) < record.get("was", 1):
+            return True
+    return False
 
 
 def fmt(v, spec=",.0f", missing=""):

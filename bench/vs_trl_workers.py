@@ -107,10 +107,13 @@ def worker_relaytune(args) -> dict:
     ooms = [r for r in records if r.get("event") == "oom"]
     if error is not None and not (ooms or _is_oom(error)):
         raise error
+    halved = [r for r in ooms if r.get("micro_batch_size", 0) < r.get("was", 1)]
+    notes += [f"OOM at step {r['step'] + 1}: redone at the same micro-batch without {', '.join(r['released'])}"
+              for r in ooms if r.get("released")]
     steps = [r for r in records if "loss" in r and "event" not in r]
     timed = steps[args.warmup:]
     res = dict(system="relaytune", batch=args.batch, wall_seconds=round(wall, 1), steps=len(steps),
-               fits=not ooms and error is None, oom_events=ooms, notes=notes)
+               fits=not halved and error is None, oom_events=ooms, notes=notes)
     if error is not None:
         res["error"] = f"{type(error).__name__}: {str(error)[:300]}"
     if timed:

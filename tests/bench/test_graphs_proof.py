@@ -26,7 +26,8 @@ def _report(work: Path) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout[r.stdout.index("{"):])
 
 
-OOM_EVENT = {"step": 22, "event": "oom", "micro_batch_size": 2, "was": 4}  # step 23 (1-based) redone at half
+# Step 23 (1-based) redone at the same micro-batch once the graphs were given up.
+OOM_EVENT = {"step": 22, "event": "oom", "micro_batch_size": 4, "was": 4, "released": ["cuda_graphs"]}
 
 
 def _all_phases(work: Path, on: dict[int, float] = CURVE, graphs_on: bool = True, **oom) -> None:
@@ -50,7 +51,7 @@ def test_equal_curves_with_graphs_on_and_a_resume_that_continues_pass(tmp_path):
 def test_an_oom_that_kept_the_graphs_or_was_redone_otherwise_fails(tmp_path):
     _all_phases(tmp_path, graphs_dropped=False)  # the warning never came: the graphs stayed on
     assert _report(tmp_path)[1]["verdict"] == "FAIL"
-    _all_phases(tmp_path, oom_events=[{**OOM_EVENT, "micro_batch_size": 4}])  # not halved
+    _all_phases(tmp_path, oom_events=[{**OOM_EVENT, "micro_batch_size": 2}])  # halved although graphs went
     assert _report(tmp_path)[1]["verdict"] == "FAIL"
     _all_phases(tmp_path, oom_events=[OOM_EVENT, {**OOM_EVENT, "step": 30}])  # a second, real OOM
     assert _report(tmp_path)[1]["verdict"] == "FAIL"

@@ -48,6 +48,36 @@ def test_oom_halves_micro_batch_and_matches_a_run_configured_that_way(tmp_path, 
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
 
 
+def test_an_oom_that_gives_up_the_compiled_checkpoint_redoes_the_step_at_the_same_micro_batch(
+        tmp_path, tiny_model, chat_data, monkeypatch, one_thread, capsys):
+    """An OOM that free_memory answered by giving something up (here the compiled checkpoint, as on a
+    GPU) redoes the step at the same micro-batch, from the same RNG state: its loss and those before the
+    next OOM are a run's without the OOM, bit for bit, dropout included. Nothing left to give up, the
+    next OOM halves."""
+    real, released = trainer_module.free_memory, []
+
+    def free_memory(optimizer, model=None):
+        real(optimizer, model)
+        released.append("compile_checkpoint")
+        return released[-1:] if len(released) == 1 else []
+
+    monkeypatch.setattr(trainer_module, "free_memory", free_memory)
+    base = dict(lora_dropout=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    plain = make_config(tmp_path / "plain", tiny_model, chat_data, **base)
+    relaytune.train(str(plain))
+    monkeypatch.setenv("RELAYTUNE_OOM_AT", "3:1,5:0")
+    hit = make_config(tmp_path / "hit", tiny_model, chat_data, **base)
+    relaytune.train(str(hit))
+    err = capsys.readouterr().err
+    assert "redoing step 4 at the same micro-batch 4 without compile_checkpoint" in err
+    assert _events(tmp_path / "hit" / "run", "oom") == [
+        {"step": 3, "event": "oom", "micro_batch_size": 4, "was": 4, "released": ["compile_checkpoint"]},
+        {"step": 5, "event": "oom", "micro_batch_size": 2, "was": 4}]
+    assert "out of memory at micro-batch 4; redoing step 6 with micro-batch 2 x 4" in err
+    same = [(a["step"], a["loss"]) for a in _steps(tmp_path / "plain" / "run")][:5]
+    assert [(b["step"], b["loss"]) for b in _steps(tmp_path / "hit" / "run")][:5] == same
+
+
 def test_oom_at_micro_batch_one_saves_and_exits_75_with_advice(tmp_path, tiny_model, chat_data, fork_cli):
     cfg = make_config(tmp_path, tiny_model, chat_data, per_device_train_batch_size=1,
                       gradient_accumulation_steps=8)

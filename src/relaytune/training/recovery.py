@@ -56,20 +56,25 @@ class NoSmallerBatch(Exception):
     """An OOM at micro-batch 1: nothing left to halve."""
 
 
-def free_memory(optimizer, model=None) -> None:
+def free_memory(optimizer, model=None) -> list[str]:
     """Drop the partial gradients of the failed step and give cached memory back; compiled layers
     that replay CUDA graphs stop replaying them, and those whose checkpoint was compiled inside keep it
-    outside, for the rest of the session."""
+    outside, for the rest of the session. Returns what of those it gave up (the setting's name): with
+    one of them gone, the same micro-batch may fit again."""
     optimizer.zero_grad(set_to_none=True)
+    released = []
     if model is not None and drop_cuda_graphs(decoder_layers(model)):
         warn("out of memory with CUDA graphs on: the layers run without them for the rest of this session, "
              "and the graphs' memory is freed")
+        released.append("cuda_graphs")
     if model is not None and move_checkpoints_outside(decoder_layers(model)):
         warn("out of memory with the checkpoint compiled inside the layers: it stays outside them for the "
              "rest of this session (compile_checkpoint), which lowers the backward's peak")
+        released.append("compile_checkpoint")
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return released
 
 
 def release_gpu() -> None:

@@ -276,7 +276,8 @@ class Trainer:
         return left + self.checkpointer.save_seconds
 
     def step(self, rows: list) -> StepResult:
-        """One optimizer step; an OOM redoes it from the same RNG state with half the micro-batch."""
+        """One optimizer step. An OOM redoes it from the same RNG state: at the same micro-batch when
+        it could give up CUDA graphs or the compiled checkpoint (recovery.free_memory), else at half."""
         if self.world.distributed:
             # Each rank's dropout stream is a function of (seed, step, rank): the same for the same
             # world size whatever was killed and resumed; no per-rank RNG state to checkpoint.
@@ -289,8 +290,15 @@ class Trainer:
                 if self.parts.sharded:  # the peers wait in an all-gather: only a restart of all brings them back
                     continuation.restart_after_oom(self.run, self.recovery, self.cfg.global_batch_size,
                                                    self.state.step, e)
-                free_memory(self.live.optimizer, self.live.model)
+                released = free_memory(self.live.optimizer, self.live.model)
                 reset_rng(step_rng)
+                if released:  # what took the memory is gone: first the same micro-batch once more
+                    size = self.recovery.micro_batch_size
+                    warn(f"redoing step {self.state.step + 1} at the same micro-batch {size} without "
+                         f"{' and '.join(released)}")
+                    self.metrics.write({"step": self.state.step, "event": "oom", "micro_batch_size": size,
+                                        "was": size, "released": released})
+                    continue
                 try:
                     old, new = shrink_after_oom(self.recovery, self.cfg.global_batch_size, self.state.step, e)
                 except NoSmallerBatch:

@@ -1,0 +1,29 @@
+"""bench/vs_trl.py's cap search stops relaytune at the first OOM that halved its micro-batch: an OOM
+redone at the same micro-batch (CUDA graphs or the compiled checkpoint given up) still fits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import vs_trl  # noqa: E402
+
+
+def _metrics(run: Path, *records: dict, tail: str = "") -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return run
+
+
+def test_only_an_oom_that_halved_the_micro_batch_means_it_did_not_fit(tmp_path):
+    step = {"step": 0, "loss": 2.0}
+    assert not vs_trl._has_oom_event(tmp_path / "none")
+    assert not vs_trl._has_oom_event(_metrics(tmp_path / "a", step))
+    kept = {"step": 3, "event": "oom", "micro_batch_size": 8, "was": 8, "released": ["compile_checkpoint"]}
+    assert not vs_trl._has_oom_event(_metrics(tmp_path / "b", step, kept, tail='{"step": 4, "lo'))
+    halved = {"step": 5, "event": "oom", "micro_batch_size": 4, "was": 8}
+    assert vs_trl._has_oom_event(_metrics(tmp_path / "c", step, kept, halved))
