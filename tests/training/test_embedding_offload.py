@@ -129,6 +129,10 @@ def test_the_plan_counts_the_table_in_host_memory_only_where_it_is_untied():
     qwen = "Qwen/Qwen2.5-3B-Instruct"
     assert plan(qwen).memory.parts[frozen] == plan(qwen, offload_embeddings=False).memory.parts[frozen]
     assert plan("meta-llama/Meta-Llama-3-8B", fsdp=True).memory.parts[frozen] == off.memory.parts[frozen]
+    adapted = ["q_proj", "v_proj", "model.embed_tokens"]  # LoRA on the table: PEFT's wrapper stays on the GPU
+    assert (plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=adapted).memory.parts[frozen]
+            == plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=adapted,
+                    offload_embeddings=False).memory.parts[frozen])
 
 
 def test_compile_checkpoint_auto_goes_inside_only_where_the_embedding_leaves_the_gpu(

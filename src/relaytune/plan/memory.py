@@ -234,11 +234,18 @@ def checkpoint_inside(arch: Architecture, s: Settings) -> bool:
     return s.compile_checkpoint == "on" or (s.compile_checkpoint == "auto" and embeddings_offloaded(arch, s))
 
 
+# What transformers' causal LMs call their input embedding; PEFT matches a target against a name's end.
+INPUT_EMBEDDING_NAMES = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in"})
+
+
 def embeddings_offloaded(arch: Architecture, s: Settings) -> bool:
-    """Whether the input embedding is in host memory (embedding_offload.offload_decision's rule)."""
+    """Whether the input embedding is in host memory (embedding_offload.offload_decision's rule): not
+    when it is tied to the head, nor when LoRA adapts it (PEFT's wrapper is no plain nn.Embedding)."""
     table = arch.vocab_size * arch.hidden_size * DTYPE_BYTES[s.compute_dtype]
     wanted = s.offload_embeddings == "on" or (s.offload_embeddings == "auto" and table >= embedding_offload_min_bytes())
-    return wanted and not arch.tied_embeddings
+    targets = (s.lora_target_modules,) if isinstance(s.lora_target_modules, str) else s.lora_target_modules
+    adapted = any(str(t).rsplit(".", 1)[-1] in INPUT_EMBEDDING_NAMES for t in targets)
+    return wanted and not arch.tied_embeddings and not adapted
 
 
 def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int = 4) -> tuple[int, int]:
