@@ -41,6 +41,9 @@ class LayerForward:
         self.checkpoint = None
         self.graphed = False  # `run` replays CUDA graphs: checkpoint with RecomputedLayer instead
         self.run_checkpointed = None
+        # compile_layers(checkpoint_inside=True): compiles (forward, checkpoint) as one region, also for
+        # a checkpoint that arrives after the compile (gradient_checkpointing: auto turned on late).
+        self.compile_inside = None
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
@@ -156,7 +159,10 @@ def take_over_checkpointing(model) -> None:
     for layer in decoder_layers(model):
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and checkpoint is not None:
-            layer_forward(layer).checkpoint = checkpoint
+            current = layer_forward(layer)
+            current.checkpoint = checkpoint
+            if current.compile_inside is not None:
+                current.run_checkpointed = current.compile_inside(current.eager, checkpoint)
             layer.gradient_checkpointing = False  # transformers' own check: it no longer checkpoints
 
 
@@ -185,19 +191,25 @@ def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False,
     options = {"fallback_random": True,
                **({"triton.cudagraphs": True, "triton.autotune_pointwise": False} if cuda_graphs else {})}
     compiled: dict[object, object] = {}
+    inside = functools.partial(_compiled_region, compiled, options) if checkpoint_inside and not cuda_graphs else None
     for layer in layers:
         current = layer_forward(layer)
         if current.eager not in compiled:
             compiled[current.eager] = torch.compile(current.eager, options=options)
         current.run = compiled[current.eager]
         current.graphed = cuda_graphs
+        current.compile_inside = inside
         current.run_checkpointed = None
-        if checkpoint_inside and not cuda_graphs and current.checkpoint is not None:
-            key = (current.eager, current.checkpoint)
-            if key not in compiled:
-                region = functools.partial(_checkpointed, current.checkpoint, current.eager)
-                compiled[key] = torch.compile(region, options=options)
-            current.run_checkpointed = compiled[key]
+        if inside is not None and current.checkpoint is not None:
+            current.run_checkpointed = inside(current.eager, current.checkpoint)
+
+
+def _compiled_region(cache: dict, options: dict, forward, checkpoint):
+    """checkpoint(forward) compiled as one region; layers of one class with one checkpoint share it."""
+    if (forward, checkpoint) not in cache:
+        cache[forward, checkpoint] = torch.compile(functools.partial(_checkpointed, checkpoint, forward),
+                                                   options=options)
+    return cache[forward, checkpoint]
 
 
 def _checkpointed(checkpoint, forward, layer, *args, **kwargs):
@@ -222,8 +234,10 @@ def move_checkpoints_outside(layers: list[torch.nn.Module]) -> bool:
     """Layers whose checkpoint was compiled with them keep it outside from now on (after an OOM: the
     compiled checkpoint's backward peaks higher). False when no layer had it inside."""
     inside = [layer_forward(layer) for layer in layers if checkpoints_inside(layer)]
-    for current in inside:
-        current.run_checkpointed = None
+    for layer in layers:
+        current = layer.__dict__.get("forward")
+        if isinstance(current, LayerForward):
+            current.run_checkpointed = current.compile_inside = None
     return bool(inside)
 
 
@@ -232,7 +246,7 @@ def uncompile_layers(layers: list[torch.nn.Module]) -> None:
         current = layer_forward(layer)
         current.run = current.eager
         current.graphed = False
-        current.run_checkpointed = None
+        current.run_checkpointed = current.compile_inside = None
 
 
 def is_compiled(layer: torch.nn.Module) -> bool:

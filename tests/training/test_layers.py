@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from relaytune.config.schema import TrainConfig
-from relaytune.layers import LayerForward, checkpoints_inside, decoder_layers, is_compiled, layer_forward
+from relaytune.layers import (
+    LayerForward,
+    checkpoints_inside,
+    decoder_layers,
+    is_compiled,
+    layer_forward,
+    move_checkpoints_outside,
+)
 from relaytune.model import choose_precision, load_model
 from relaytune.training.loss import causal_lm_loss
 
@@ -398,9 +405,30 @@ def test_after_an_oom_a_checkpoint_compiled_inside_moves_outside(tiny_model, tmp
     assert "compile_checkpoint" not in capsys.readouterr().err
 
 
-def test_compile_checkpoint_true_that_cannot_apply_as_the_model_loads_says_so(tiny_model, tmp_path, capsys):
-    """gradient_checkpointing: auto is resolved after the model loads; until then there is no checkpoint
-    to compile with the layer, and an explicit `true` is not dropped in silence."""
+def test_compile_checkpoint_waits_for_checkpointing_that_turns_on_after_the_model_loads(tiny_model, tmp_path,
+                                                                                       capsys):
+    """gradient_checkpointing: auto may turn on only after the model loads (a trial step ran out of
+    memory without it). Until then there is no checkpoint to compile with the layer, which an explicit
+    `true` is told; once it turns on, the checkpoint is compiled inside, as the planner counts it."""
+    from relaytune.model import enable_checkpointing
+
     model = _model(tiny_model, tmp_path, torch_compile=True, gradient_checkpointing="auto", compile_checkpoint=True)
     assert all(is_compiled(layer) and not checkpoints_inside(layer) for layer in decoder_layers(model))
-    assert "compile_checkpoint: off (gradient checkpointing is off as the model loads)" in capsys.readouterr().err
+    assert ("compile_checkpoint: not yet (gradient checkpointing is off as the model loads; the checkpoint is "
+            "compiled with each layer if the trial step turns it on)") in capsys.readouterr().err
+    enable_checkpointing(model)
+    layers = decoder_layers(model)
+    assert all(checkpoints_inside(layer) for layer in layers)
+    assert len({id(layer_forward(layer).run_checkpointed) for layer in layers}) == 1, "one graph for all"
+
+
+def test_a_checkpoint_moved_outside_after_an_oom_stays_outside_when_checkpointing_is_enabled_again(
+        tiny_model, tmp_path):
+    from relaytune.model import enable_checkpointing
+
+    model = _model(tiny_model, tmp_path, torch_compile=True, gradient_checkpointing=True, compile_checkpoint=True)
+    layers = decoder_layers(model)
+    assert all(checkpoints_inside(layer) for layer in layers)
+    assert move_checkpoints_outside(layers)
+    enable_checkpointing(model)
+    assert not any(checkpoints_inside(layer) for layer in layers)

@@ -194,8 +194,9 @@ class TrainConfig(BaseModel):
     """Compile each decoder layer's gradient checkpoint with the layer, so backward recomputes only what
     it reads (H200: Llama-3-8B QLoRA 8.7% faster, for a backward peak 0.64 GiB higher). Needs
     torch_compile and gradient_checkpointing; not with cuda_graphs or offload_activations. auto: on
-    where offload_embeddings moves the input embedding to CPU memory, which pays for it; after an OOM
-    the checkpoint stays outside. Equal within rounding, so changing it on resume is allowed."""
+    where offload_embeddings moves the input embedding to CPU memory, which pays for it. An OOM moves
+    the checkpoint outside and redoes the step at the same micro-batch. Equal within rounding, so
+    changing it on resume is allowed."""
     offload_embeddings: bool | Literal["auto"] = "auto"
     """Keep a frozen input embedding not tied to the output head in CPU memory; each batch copies only
     its rows to the GPU (the same values). Llama-3-8B's is 0.98 GiB of GPU memory. auto: on for CUDA

@@ -136,10 +136,11 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         unfuse_4bit_linears(layers)
         raise
     inside = any(map(checkpoints_inside, layers))
-    if getattr(cfg, "compile_checkpoint", False) is True and not inside:
-        notice("compile_checkpoint: off (" + ("the layers replay CUDA graphs, which checkpoint their own way"
-                                              if graphs else "gradient checkpointing is off as the model loads")
-               + ")")
+    if getattr(cfg, "compile_checkpoint", False) is True and graphs:
+        notice("compile_checkpoint: off (the layers replay CUDA graphs, which checkpoint their own way)")
+    elif getattr(cfg, "compile_checkpoint", False) is True and not inside:
+        notice("compile_checkpoint: not yet (gradient checkpointing is off as the model loads; the checkpoint "
+               "is compiled with each layer if the trial step turns it on)")
     return [f"torch.compile on each of {len(layers)} decoder layers"
             + (f" ({fused} 4-bit matmuls as torch ops)" if fused else "") + (", CUDA graphs" if graphs else "")
             + (", checkpoint compiled inside" if inside else "")]
