@@ -120,6 +120,7 @@ def measure(case: Case, cap_gib: float | None) -> dict:
     ooms = [e for e in result["events"] if e.get("event") == "oom"]
     return {"peak_gib": result["peak_memory_gib"], "oom": bool(ooms),
             "final_micro_batch": ooms[-1]["micro_batch_size"] if ooms else case.micro_batch,
+            "released": [what for e in ooms for what in e.get("released", [])], "started_at": case.micro_batch,
             "tokens_per_second": result["tokens_per_second_median"], "wall_seconds": result["wall_seconds"]}
 
 
@@ -169,6 +170,18 @@ def _build_models_if_needed(cases: list[Case]) -> set[Path]:
         if not (folder / "config.json").exists():
             created.add(folder)
     return created
+
+
+def _capped_outcome(capped: dict) -> str:
+    """What the capped run did: ran, or what its OOMs changed (records before the same-micro-batch
+    redo have no `released` or `started_at`: they always stepped down)."""
+    if not capped["oom"]:
+        return "ran"
+    gave_up = capped.get("released") or []
+    parts = [f"redone without {' and '.join(gave_up)}"] if gave_up else []
+    if capped["final_micro_batch"] < capped.get("started_at", capped["final_micro_batch"] + 1):
+        parts.append(f"stepped down to {capped['final_micro_batch']}")
+    return "OOM, " + ", then ".join(parts)
 
 
 def main() -> None:
@@ -232,8 +245,7 @@ def rescore(paths: list[str], cap_gib: float) -> None:
             capped = old.get("under_cap")
             if capped is not None:
                 line["verdict_right"] = _verdict_right(line["verdict_under_cap"], capped["oom"])
-            ran = "not capped" if capped is None else (
-                f"OOM, stepped down to {capped['final_micro_batch']}" if capped["oom"] else "ran")
+            ran = "not capped" if capped is None else _capped_outcome(capped)
             right = {True: "yes", False: "**no**", None: ""}[line.get("verdict_right")] if capped else ""
             name = old["case"] + (" (held out)" if old["case"] in held else "")
             print(f"| {name} | {ARGS.torch_compile} | {line['predicted_gib']:.2f} | {old['measured_gib']:.2f} | "

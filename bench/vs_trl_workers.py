@@ -112,6 +112,11 @@ def worker_relaytune(args) -> dict:
               for r in ooms if r.get("released")]
     steps = [r for r in records if "loss" in r and "event" not in r]
     timed = steps[args.warmup:]
+    if ooms and not halved:  # redone at this micro-batch: time and measure what ran after the last OOM
+        after = [r for r in steps if r["step"] > ooms[-1]["step"] + 1]  # +1: the redone step recompiles
+        if after:
+            steps, timed = after, after
+            notes.append("tokens/s and peak from the steps after the OOM's redone step (the peak was reset there)")
     res = dict(system="relaytune", batch=args.batch, wall_seconds=round(wall, 1), steps=len(steps),
                fits=not halved and error is None, oom_events=ooms, notes=notes)
     if error is not None:

@@ -130,9 +130,14 @@ def test_the_plan_counts_the_table_in_host_memory_only_where_it_is_untied():
     assert plan(qwen).memory.parts[frozen] == plan(qwen, offload_embeddings=False).memory.parts[frozen]
     assert plan("meta-llama/Meta-Llama-3-8B", fsdp=True).memory.parts[frozen] == off.memory.parts[frozen]
     adapted = ["q_proj", "v_proj", "model.embed_tokens"]  # LoRA on the table: PEFT's wrapper stays on the GPU
-    assert (plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=adapted).memory.parts[frozen]
-            == plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=adapted,
-                    offload_embeddings=False).memory.parts[frozen])
+    with_table = plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=adapted)
+    assert with_table.memory.parts[frozen] == plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=adapted,
+                                                   offload_embeddings=False).memory.parts[frozen]
+    without = plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=["q_proj", "v_proj"])
+    lora = "LoRA parameters"  # the table's adapter counts too: r x (vocab + hidden) in fp32
+    only = plan("meta-llama/Meta-Llama-3-8B", lora_target_modules=["embed_tokens"]).memory.parts[lora]
+    assert only == 16 * (llama.vocab_size + llama.hidden_size) * 4, "the table alone is a valid target"
+    assert with_table.memory.parts[lora] - without.memory.parts[lora] == 16 * (llama.vocab_size + llama.hidden_size) * 4
 
 
 def test_compile_checkpoint_auto_goes_inside_only_where_the_embedding_leaves_the_gpu(

@@ -196,3 +196,19 @@ def test_the_labelled_positions_come_from_the_batchs_host_copy_when_it_has_one(t
     copied["labels"].host_copy = plain["labels"].clone()
     with torch.no_grad():
         assert torch.equal(causal_lm_loss(model, plain, 80), causal_lm_loss(model, copied, 80))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sync it guards against is a GPU's")
+def test_on_a_gpu_the_labelled_positions_never_wait_for_the_device():
+    from relaytune.data.batches import to_device
+    from relaytune.training.loss import labelled_positions
+
+    labels = torch.tensor([[-100, 5, 6, -100], [7, -100, 8, 9]])
+    expected = labelled_positions(labels, torch.device("cpu"))
+    moved = to_device({"labels": labels}, torch.device("cuda"))["labels"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        keep, targets = labelled_positions(moved, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(keep.cpu(), expected[0]) and torch.equal(targets.cpu(), expected[1])

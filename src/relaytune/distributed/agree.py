@@ -41,6 +41,14 @@ def any_oom(world: World, oom: bool) -> bool:
     return world.any(oom) if world.distributed else oom
 
 
+def all_released(world: World, released: list[str]) -> list[str]:
+    """What an OOM made this rank give up, where every rank gave something up; else nothing, so
+    that every rank halves the micro-batch together (they redo the step the same way)."""
+    if not world.distributed:
+        return released
+    return released if not world.any(not released) else []
+
+
 def step_numbers(world: World, local_loss: float, grad_norm: float) -> tuple[float, float]:
     """The global batch's loss (the sum of the ranks' shares, each already divided by the
     global target count) and the gradient norm (the same on every rank once gradients are

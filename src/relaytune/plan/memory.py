@@ -187,6 +187,16 @@ def replays_graphs(arch: Architecture, s: Settings, tokens: int) -> bool:
     return s.graphs == "on" or (s.graphs_peak_flops > 0 and auto_turns_on(weights, tokens, s.graphs_peak_flops))
 
 
+# The input embedding's name in every architecture the planner knows (Llama, Qwen2, Mistral, Gemma, Phi-3).
+INPUT_EMBEDDING = "embed_tokens"
+
+
+def adapts_embedding(targets) -> bool:
+    """Whether LoRA adapts the input embedding (PEFT matches a target against a module name's end)."""
+    targets = (targets,) if isinstance(targets, str) else targets
+    return any(str(t).rsplit(".", 1)[-1] == INPUT_EMBEDDING for t in targets)
+
+
 def adapted_linears(arch: Architecture, targets) -> list:
     """The decoder linears that get an adapter; PEFT matches a target name against the module name's end."""
     if isinstance(targets, str) and targets != "all-linear":
@@ -196,7 +206,7 @@ def adapted_linears(arch: Architecture, targets) -> list:
         return layer
     names = {str(t).rsplit(".", 1)[-1] for t in targets}
     chosen = [m for m in layer if m.name in names]
-    if not chosen:
+    if not chosen and INPUT_EMBEDDING not in names:
         raise UserError(f"`lora_target_modules`: none of {sorted(names)} is a linear layer of this model "
                         f"({arch.model_type}); its layers have {', '.join(m.name for m in layer)}, or use all-linear")
     return chosen
@@ -212,6 +222,8 @@ def lora_tensor_sizes(arch: Architecture, s: Settings) -> list[int]:
     if s.lora_target_modules == "all-linear":
         for i, o, n in arch.extra_linears:
             sizes += [s.lora_r * i, o * s.lora_r] * n
+    if adapts_embedding(s.lora_target_modules):  # lora_embedding_A is r x vocab, lora_embedding_B hidden x r
+        sizes += [s.lora_r * arch.vocab_size, arch.hidden_size * s.lora_r]
     return sizes
 
 
@@ -234,18 +246,12 @@ def checkpoint_inside(arch: Architecture, s: Settings) -> bool:
     return s.compile_checkpoint == "on" or (s.compile_checkpoint == "auto" and embeddings_offloaded(arch, s))
 
 
-# What transformers' causal LMs call their input embedding; PEFT matches a target against a name's end.
-INPUT_EMBEDDING_NAMES = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in"})
-
-
 def embeddings_offloaded(arch: Architecture, s: Settings) -> bool:
     """Whether the input embedding is in host memory (embedding_offload.offload_decision's rule): not
     when it is tied to the head, nor when LoRA adapts it (PEFT's wrapper is no plain nn.Embedding)."""
     table = arch.vocab_size * arch.hidden_size * DTYPE_BYTES[s.compute_dtype]
     wanted = s.offload_embeddings == "on" or (s.offload_embeddings == "auto" and table >= embedding_offload_min_bytes())
-    targets = (s.lora_target_modules,) if isinstance(s.lora_target_modules, str) else s.lora_target_modules
-    adapted = any(str(t).rsplit(".", 1)[-1] in INPUT_EMBEDDING_NAMES for t in targets)
-    return wanted and not arch.tied_embeddings and not adapted
+    return wanted and not arch.tied_embeddings and not adapts_embedding(s.lora_target_modules)
 
 
 def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int = 4) -> tuple[int, int]:

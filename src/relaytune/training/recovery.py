@@ -86,6 +86,18 @@ def release_gpu() -> None:
             torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces allocated otherwise
 
 
+def redo_after_oom(r: Recovery, global_batch: int, step: int, error: BaseException, released: list[str]) -> dict:
+    """How step `step` is redone after an OOM, as its metrics event's fields: at the same micro-batch
+    when free_memory gave something up (on every rank), else at half (NoSmallerBatch at 1)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # the failed attempt's peak is not the redone step's
+    if released:
+        warn(f"redoing step {step + 1} at the same micro-batch {r.micro_batch_size} without {' and '.join(released)}")
+        return {"micro_batch_size": r.micro_batch_size, "was": r.micro_batch_size, "released": released}
+    old, new = shrink_after_oom(r, global_batch, step, error)
+    return {"micro_batch_size": new, "was": old}
+
+
 def shrink_after_oom(r: Recovery, global_batch: int, step: int, error: BaseException) -> tuple[int, int]:
     """Halve the micro-batch (the accumulation grows; the global batch is unchanged)."""
     if r.micro_batch_size <= 1:

@@ -49,12 +49,12 @@ from relaytune.training.recovery import (
     Recovery,
     free_memory,
     prefer_expandable_segments,
+    redo_after_oom,
     release_gpu,
-    shrink_after_oom,
 )
 from relaytune.training.speedups import batch_width
 from relaytune.training.step import StepParts, StepResult, optimizer_step
-from relaytune.training.step_log import LogWindow
+from relaytune.training.step_log import LogWindow, peak_memory
 from relaytune.training.stops import Abandoned, StopRequest, safe_points
 
 
@@ -290,20 +290,14 @@ class Trainer:
                 if self.parts.sharded:  # the peers wait in an all-gather: only a restart of all brings them back
                     continuation.restart_after_oom(self.run, self.recovery, self.cfg.global_batch_size,
                                                    self.state.step, e)
-                released = free_memory(self.live.optimizer, self.live.model)
+                failed_peak = peak_memory()  # the failed attempt's, for the event; later steps report their own
+                released = agree.all_released(self.world, free_memory(self.live.optimizer, self.live.model))
                 reset_rng(step_rng)
-                if released:  # what took the memory is gone: first the same micro-batch once more
-                    size = self.recovery.micro_batch_size
-                    warn(f"redoing step {self.state.step + 1} at the same micro-batch {size} without "
-                         f"{' and '.join(released)}")
-                    self.metrics.write({"step": self.state.step, "event": "oom", "micro_batch_size": size,
-                                        "was": size, "released": released})
-                    continue
                 try:
-                    old, new = shrink_after_oom(self.recovery, self.cfg.global_batch_size, self.state.step, e)
+                    how = redo_after_oom(self.recovery, self.cfg.global_batch_size, self.state.step, e, released)
                 except NoSmallerBatch:
                     self.stop_after_oom()
-                self.metrics.write({"step": self.state.step, "event": "oom", "micro_batch_size": new, "was": old})
+                self.metrics.write({"step": self.state.step, "event": "oom", **how, **failed_peak})
 
     def record(self, result: StepResult, rows: list, t0: float) -> bool:
         """Count the step, log it; False when repeated non-finite steps rolled the run back."""
