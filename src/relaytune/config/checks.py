@@ -55,6 +55,11 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                     f"must be at most {MAX_BATCH:,} rows per forward pass; {_TYPO}"),
     "gradient_accumulation_steps": (lambda v: v <= MAX_BATCH,
                                     f"must be at most {MAX_BATCH:,} micro-batches per step; {_TYPO}"),
+    "warmup_ratio": (lambda v: 0 <= v < 1, "must be between 0 and 1 (excluded)"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "must be between 0 and 1 (excluded)"),
+    "nan_lr_factor": (lambda v: 0 < v < 1, "must be between 0 and 1 (excluded)"),
+    "num_gpus": (lambda v: v == "auto" or v >= 1, "must be auto or at least 1"),
+    "max_restarts": (lambda v: v >= 0, "must be 0 or more"),
 }
 
 

@@ -337,13 +337,6 @@ class TrainConfig(BaseModel):
             raise ValueError("must be greater than 0")
         return v
 
-    @field_validator("warmup_ratio", "lora_dropout")
-    @classmethod
-    def _fraction(cls, v: float) -> float:
-        if not 0 <= v < 1:
-            raise ValueError("must be between 0 and 1 (excluded)")
-        return v
-
     @field_validator("time_limit")
     @classmethod
     def _duration(cls, v: str | None) -> str | None:
@@ -371,27 +364,6 @@ class TrainConfig(BaseModel):
     def _timestamp(cls, v: str | None) -> str | None:
         if v is not None:
             parse_timestamp(v)
-        return v
-
-    @field_validator("nan_lr_factor")
-    @classmethod
-    def _shrink(cls, v: float) -> float:
-        if not 0 < v < 1:
-            raise ValueError("must be between 0 and 1 (excluded)")
-        return v
-
-    @field_validator("num_gpus")
-    @classmethod
-    def _gpu_count(cls, v):
-        if v != "auto" and v < 1:
-            raise ValueError("must be auto or at least 1")
-        return v
-
-    @field_validator("max_restarts")
-    @classmethod
-    def _restarts(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError("must be 0 or more")
         return v
 
     @model_validator(mode="after")
