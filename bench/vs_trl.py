@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import gpu_bench  # noqa: E402  (puts src/ on sys.path and imports relaytune)
 from gpu_bench import ARCHS, WORK, build_model, long_text_data, package_versions  # noqa: E402
-from vs_trl_workers import RESULT, relaytune_adapter_dtype, worker  # noqa: E402
+from vs_trl_workers import RESULT, halved_micro_batch, relaytune_adapter_dtype, worker  # noqa: E402
 
 # Extra sizes for quick checks, local to this script (gpu_bench.ARCHS is the same dict object,
 # so build_model knows them too).
@@ -157,7 +157,7 @@ def _has_oom_event(run_dir: Path) -> bool:
             record = json.loads(line)
         except ValueError:
             continue  # a line still being written
-        if record.get("event") == "oom" and record.get("micro_batch_size", 0) < record.get("was", 1):
+        if record.get("event") == "oom" and halved_micro_batch(record):
             return True
     return False
 

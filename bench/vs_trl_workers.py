@@ -61,6 +61,12 @@ def relaytune_config(args, out: Path) -> dict:
     return cfg
 
 
+def halved_micro_batch(oom_event: dict) -> bool:
+    """Whether relaytune redid an OOM'd step at a smaller micro-batch (else at the same one, having
+    given up CUDA graphs or the compiled checkpoint: that micro-batch still fits)."""
+    return oom_event.get("micro_batch_size", 0) < oom_event.get("was", 1)
+
+
 def worker_relaytune(args) -> dict:
     import torch
 
@@ -107,7 +113,7 @@ def worker_relaytune(args) -> dict:
     ooms = [r for r in records if r.get("event") == "oom"]
     if error is not None and not (ooms or _is_oom(error)):
         raise error
-    halved = [r for r in ooms if r.get("micro_batch_size", 0) < r.get("was", 1)]
+    halved = [r for r in ooms if halved_micro_batch(r)]
     notes += [f"OOM at step {r['step'] + 1}: redone at the same micro-batch without {', '.join(r['released'])}"
               for r in ooms if r.get("released")]
     steps = [r for r in records if "loss" in r and "event" not in r]

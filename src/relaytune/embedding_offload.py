@@ -33,11 +33,13 @@ class HostLookup:
         """nn.Embedding.forward's call: the ids positionally or as `input`."""
         import torch
 
+        from relaytune.data.batches import host_copy
+
         input_ids = args[0] if args else kwargs["input"]
         weight = self.module.weight
         # The batch's pinned source when it has one (data/batches.py): copying the ids back from the
         # GPU would make the host wait there for all the kernels queued before it.
-        ids = getattr(input_ids, "host_copy", None)
+        ids = host_copy(input_ids)
         ids = input_ids.to("cpu") if ids is None else ids
         pinned = self.device.type == "cuda"
         rows = torch.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype, pin_memory=pinned)

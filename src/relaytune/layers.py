@@ -233,12 +233,13 @@ def drop_cuda_graphs(layers: list[torch.nn.Module]) -> bool:
 def move_checkpoints_outside(layers: list[torch.nn.Module]) -> bool:
     """Layers whose checkpoint was compiled with them keep it outside from now on (after an OOM: the
     compiled checkpoint's backward peaks higher). False when no layer had it inside."""
-    inside = [layer_forward(layer) for layer in layers if checkpoints_inside(layer)]
+    moved = False
     for layer in layers:
         current = layer.__dict__.get("forward")
         if isinstance(current, LayerForward):
+            moved |= current.run_checkpointed is not None
             current.run_checkpointed = current.compile_inside = None
-    return bool(inside)
+    return moved
 
 
 def uncompile_layers(layers: list[torch.nn.Module]) -> None:

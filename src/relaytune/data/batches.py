@@ -83,6 +83,11 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return moved
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The pinned host tensor a GPU tensor of a micro-batch was copied from (`to_device`), or None."""
+    return getattr(tensor, "host_copy", None)
+
+
 def collate(rows: list[TokenRow], pad_id: int, flat: bool = False,
             width: int | None = None) -> dict[str, torch.Tensor]:
     """Pad a micro-batch. Packed rows get per-sample position_ids and no attention_mask:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from relaytune.data.batches import host_copy
 from relaytune.data.rows import IGNORE
 from relaytune.training.loss_settings import CHUNK_TOKENS, PLAIN_HEAD
 
@@ -69,14 +70,12 @@ def labelled_positions(labels: torch.Tensor, device: torch.device) -> tuple[torc
     predicts nothing), and those tokens, on `device`. Found on the host from the batch's pinned copy
     when it has one (data/batches.to_device): `nonzero` on the GPU would make the host wait for the
     whole decoder forward before it could queue the head and the backward."""
-    host = getattr(labels, "host_copy", None)
+    host = host_copy(labels)
     source = labels if host is None else host
     targets = torch.cat([source[:, 1:], torch.full_like(source[:, :1], IGNORE)], dim=1).reshape(-1)
     keep = (targets != IGNORE).nonzero(as_tuple=True)[0]
     targets = targets.index_select(0, keep)
-    if host is None:
-        return keep, targets
-    if device.type != "cuda":
+    if host is None or device.type != "cuda":
         return keep.to(device), targets.to(device)
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in (keep, targets))
 
