@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 from support.fork_server import ONE_THREAD_ENV, ForkedRun, ForkServer
-from support.run_helpers import chat_rows, make_config, run_cli, run_until_done, step_records, write_jsonl
+from support.run_helpers import (
+    chat_rows,
+    lora_model_with_gradients,
+    make_config,
+    run_cli,
+    run_until_done,
+    step_records,
+    write_jsonl,
+)
 
 from relaytune.tiny import make_tiny_model
 
@@ -19,7 +27,8 @@ pytest_plugins = ["support.ranks"]
 
 REPO = Path(__file__).resolve().parents[1]
 
-__all__ = ["REPO", "ONE_THREAD_ENV", "ForkServer", "ForkedRun", "chat_rows", "make_config", "run_cli",
+__all__ = ["REPO", "ONE_THREAD_ENV", "ForkServer", "ForkedRun", "chat_rows", "lora_model_with_gradients",
+           "make_config", "run_cli",
            "run_until_done", "step_records", "write_jsonl"]
 
 

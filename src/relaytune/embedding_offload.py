@@ -31,11 +31,18 @@ class HostLookup:
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """nn.Embedding.forward's call: the ids positionally or as `input`."""
+        input_ids = args[0] if args else kwargs["input"]
+        ready = getattr(input_ids, "looked_up", None)  # by prefetch_rows, while the last step ran
+        if ready is not None and ready[0] is self:
+            input_ids.looked_up = None  # once: a second forward of the same ids looks them up again
+            return ready[1]
+        return self.rows(input_ids)
+
+    def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         import torch
 
         from relaytune.data.batches import host_copy
 
-        input_ids = args[0] if args else kwargs["input"]
         weight = self.module.weight
         # The batch's pinned source when it has one (data/batches.py): copying the ids back from the
         # GPU would make the host wait there for all the kernels queued before it.
@@ -47,6 +54,17 @@ class HostLookup:
         # From pinned memory the copy is asynchronous, and torch's host allocator reuses the buffer
         # only once the copy is done.
         return rows.to(self.device, non_blocking=pinned)
+
+
+def prefetch_rows(model, input_ids: torch.Tensor) -> None:
+    """Look up the rows of a batch that has not started yet (training/prefetch.py), so its forward
+    finds them on the GPU instead of the GPU waiting for the host's lookup. Nothing when the table is
+    on the GPU."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    lookup = getattr(embedding, "__dict__", {}).get("forward")
+    if isinstance(lookup, HostLookup):
+        input_ids.looked_up = (lookup, lookup.rows(input_ids))
 
 
 def offloadable(model) -> torch.nn.Embedding | None:

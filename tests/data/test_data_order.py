@@ -16,14 +16,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import chat_rows, make_config, write_jsonl
+from conftest import chat_rows, lora_model_with_gradients, make_config, write_jsonl
 from row_tokens import tokenize
 
-from relaytune.config.schema import TrainConfig
 from relaytune.data import IGNORE, TokenRow
 from relaytune.data.batches import DataOrder, count_targets, micro_batches, to_device
 from relaytune.data.formats import RawRow, normalise
-from relaytune.model import choose_precision, load_model
 from relaytune.tiny import make_tokenizer
 from relaytune.training import recipe as loop
 from relaytune.training import trainer as trainer_module
@@ -164,17 +162,7 @@ class GradRecorder(torch.optim.Optimizer):
 
 @pytest.fixture(scope="module")
 def lora_model(tiny_model, tmp_path_factory):
-    cfg = TrainConfig(model=str(tiny_model), dataset="unused.jsonl",
-                      output_dir=str(tmp_path_factory.mktemp("norm")), lora_r=4, lora_dropout=0.0)
-    precision = choose_precision(cfg)
-    torch.manual_seed(0)
-    model = load_model(cfg, precision)
-    with torch.no_grad():  # LoRA B starts at zero, which leaves A without gradient: give it some
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    model.train()
-    return model, cfg, precision
+    return lora_model_with_gradients(tiny_model, tmp_path_factory.mktemp("norm"))
 
 
 def test_gradient_is_the_same_for_every_micro_batch_size(lora_model, rows, tok):

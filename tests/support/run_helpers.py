@@ -70,3 +70,24 @@ def run_until_done(cli, cfg: Path, limit: int = 10, **kwargs) -> list[subprocess
             return results
         assert r.returncode in (-9, 75), f"rc {r.returncode}:\n{r.stderr[-3000:]}"
     raise AssertionError(f"no exit 0 after {limit} runs")
+
+
+def lora_model_with_gradients(model_dir: Path, output_dir: Path):
+    """A tiny model with a LoRA adapter (r 4, no dropout) whose A matrices get gradients; (model, cfg,
+    precision). LoRA's B starts at zero, which leaves A without gradient, so B gets random values."""
+    import torch
+
+    from relaytune.config.schema import TrainConfig
+    from relaytune.model import choose_precision, load_model
+
+    cfg = TrainConfig(model=str(model_dir), dataset="unused.jsonl", output_dir=str(output_dir), lora_r=4,
+                      lora_dropout=0.0)
+    precision = choose_precision(cfg)
+    torch.manual_seed(0)
+    model = load_model(cfg, precision)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.train()
+    return model, cfg, precision

@@ -15,6 +15,7 @@ from relaytune.embedding_offload import (
     offload_input_embedding,
     offloadable,
     place_input_embedding,
+    prefetch_rows,
 )
 from relaytune.model import choose_precision, load_model
 from relaytune.tiny import make_tiny_model
@@ -111,6 +112,29 @@ def test_the_lookup_reads_the_batchs_host_copy_instead_of_copying_the_ids_back(u
     assert torch.equal(embedding(device_ids), embedding.weight[host_ids[0]][None])
     assert torch.equal(embedding(host_ids), embedding.weight[host_ids[0]][None])
     assert torch.equal(embedding(input=device_ids), embedding.weight[host_ids[0]][None]), "forward's own name"
+
+
+def test_rows_looked_up_ahead_are_what_the_forward_returns_once_then_it_looks_up_again(
+        untied_model, tiny_model, tmp_path, monkeypatch):
+    """training/prefetch.py looks up the next batch's rows while the GPU runs this step; the forward
+    then takes them instead of waiting for the host's lookup. A table on the GPU has nothing to do."""
+    _, model = _load(untied_model, tmp_path)
+    embedding = model.get_input_embeddings()
+    offload_input_embedding(model, torch.device("cpu"))
+    lookups = []
+    real = HostLookup.rows
+    monkeypatch.setattr(HostLookup, "rows", lambda self, ids: lookups.append(ids) or real(self, ids))
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    prefetch_rows(model, ids)
+    ahead = ids.looked_up[1]
+    assert len(lookups) == 1 and torch.equal(ahead, embedding.weight[ids])
+    assert embedding(ids) is ahead and len(lookups) == 1, "the forward took the rows made ahead"
+    assert torch.equal(embedding(ids), ahead) and len(lookups) == 2, "used once; a second forward looks up"
+
+    _, on_gpu = _load(tiny_model, tmp_path)  # tied: the table stays where it is
+    other = torch.tensor([[3, 4]])
+    prefetch_rows(on_gpu, other)
+    assert getattr(other, "looked_up", None) is None
 
 
 def test_the_plan_counts_the_table_in_host_memory_only_where_it_is_untied():

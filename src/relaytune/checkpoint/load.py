@@ -258,7 +258,10 @@ def _live_scheduler_state(scheduler) -> dict:
 
 
 def _check_optimizer(sd: dict, optimizer) -> None:
+    from relaytune.checkpoint.state import with_live_implementation
+
     live = optimizer.state_dict()
+    sd = with_live_implementation(sd, optimizer)  # fused or not is this machine's choice (state.py)
     _same_structure([{k: v for k, v in g.items()} for g in sd["param_groups"]],
                     [{k: v for k, v in g.items()} for g in live["param_groups"]], "optimizer param_groups")
     for saved_g, live_g in zip(sd["param_groups"], live["param_groups"]):
@@ -340,13 +343,13 @@ def capture(live) -> Loaded:
 def _apply(loaded: Loaded, live) -> None:
     from peft.utils import set_peft_model_state_dict
 
-    from relaytune.checkpoint.state import _set_rng
+    from relaytune.checkpoint.state import _set_rng, with_live_implementation
 
     result = set_peft_model_state_dict(live.model, loaded.adapter)
     if getattr(result, "unexpected_keys", None):
         raise Damaged(f"adapter has unexpected keys {result.unexpected_keys[:3]}")
     if loaded.optimizer is not None:
-        live.optimizer.load_state_dict(loaded.optimizer)
+        live.optimizer.load_state_dict(with_live_implementation(loaded.optimizer, live.optimizer))
     if loaded.state["scheduler"] is not None:
         live.scheduler.load_state_dict(loaded.state["scheduler"])
     if live.scaler is not None and loaded.state.get("scaler"):

@@ -233,7 +233,8 @@ def restore(source: Path | dict, live: Live) -> dict:
         raise RuntimeError(f"{source}: adapter has unexpected keys {result.unexpected_keys[:3]}")
     if state["has_optimizer"]:
         raw = _read(source, OPTIMIZER)
-        live.optimizer.load_state_dict(_unflatten_optimizer(load(raw), _safetensors_meta(raw)))
+        saved = _unflatten_optimizer(load(raw), _safetensors_meta(raw))
+        live.optimizer.load_state_dict(with_live_implementation(saved, live.optimizer))
     if state["scheduler"] is not None:
         live.scheduler.load_state_dict(state["scheduler"])
     if live.scaler is not None and state.get("scaler"):
@@ -299,6 +300,21 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
         node[path[-1]] = value
     groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+# How a torch optimizer runs (one fused kernel, a loop of per-tensor kernels), not what it computes.
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def with_live_implementation(saved: dict, optimizer) -> dict:
+    """`saved` with the live optimizer's implementation flags. They are this machine's choice, not the
+    run's state (AdamW is fused on a GPU and not on a CPU), so a checkpoint written by either, or by
+    a version before AdamW was fused, resumes onto the kernel this machine picked; torch's
+    load_state_dict would otherwise take the saved flags and place the step counters by them."""
+    live = optimizer.param_groups
+    groups = [{**g, **({k: live[i][k] for k in IMPLEMENTATION_KEYS if k in live[i]} if i < len(live) else {})}
+              for i, g in enumerate(saved["param_groups"])]
+    return {**saved, "param_groups": groups}
 
 
 def _safetensors_meta(raw: bytes) -> dict:

@@ -20,11 +20,27 @@ def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
               {"params": no_decay, "weight_decay": 0.0}]
     kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     if cfg.optim == "adamw_torch":
-        return torch.optim.AdamW(groups, **kwargs)
+        return torch.optim.AdamW(groups, fused=fusable(decay + no_decay) or None, **kwargs)
     import bitsandbytes as bnb
 
     cls = bnb.optim.PagedAdamW8bit if cfg.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
     return cls(groups, **kwargs)
+
+
+def fusable(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW runs as one fused kernel: plain CUDA tensors (not DTensor shards, whose fused path
+    is unproven here). It is the same maths as the loop of per-tensor kernels, in one launch instead of
+    hundreds, and it can skip a non-finite step on the GPU (step.py), so the host never waits for the
+    loss before queuing the update. Hugging Face's Trainer uses it by default on torch >= 2.8 too. The
+    CPU keeps the per-tensor path, on which its exact-resume tests are byte-identical."""
+    return bool(params) and all(type(p.data) is torch.Tensor and p.is_cuda and p.is_floating_point()
+                                for p in params)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """A fused torch AdamW: it reads `found_inf` on the GPU and leaves weights, moments and step
+    count untouched when it is non-zero."""
+    return isinstance(optimizer, torch.optim.AdamW) and all(g.get("fused") for g in optimizer.param_groups)
 
 
 def warmup_steps(cfg: TrainConfig, total: int) -> int:

@@ -25,6 +25,8 @@ from relaytune.distributed import agree, fsdp
 from relaytune.distributed.world import World, current
 from relaytune.model import Precision
 from relaytune.training.loss import causal_lm_loss, supports_chunked_loss
+from relaytune.training.optim import skips_on_device
+from relaytune.training.prefetch import Prefetch
 
 
 @dataclass
@@ -44,6 +46,11 @@ class StepParts:
         self.chunked = supports_chunked_loss(self.model)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.sharded = self.world.distributed and fsdp.is_sharded(self.model)
+        # One process, no fp16 scaler, fused AdamW: the update is queued before the host reads the loss.
+        self.queues_update = (self.scaler is None and not self.world.distributed
+                              and skips_on_device(self.optimizer))
+        # While it waits for the loss, the host makes the next step's micro-batches (the trainer names them).
+        self.prefetch = Prefetch(self.model, self.pad_id, self.width, self.precision.device)
 
     def loss_scale(self) -> torch.Tensor | None:
         """fp16: the factor the gradient scaler multiplies the loss by, as a tensor on the device (no
@@ -65,7 +72,7 @@ def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: in
     n_targets = count_targets(rows)  # of the whole global batch, on every rank
     if parts.world.distributed:
         return _distributed_step(parts, rows, n_targets, micro_batch_size, step)
-    return _update(parts, _forward_backward(parts, rows, n_targets, micro_batch_size, step))
+    return _update(parts, _forward_backward(parts, rows, n_targets, micro_batch_size, step), step, micro_batch_size)
 
 
 def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_size: int,
@@ -80,8 +87,7 @@ def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_
     total_loss = torch.zeros((), device=parts.precision.device)
     scale = parts.loss_scale()
     done = 0
-    for i, batch in enumerate(micro_batches(rows, micro_batch_size, parts.pad_id, width=parts.width)):
-        batch = to_device(batch, parts.precision.device)
+    for i, batch in enumerate(parts.prefetch.batches(rows, micro_batch_size)):
         if faults.oom_now(step, i):
             raise torch.OutOfMemoryError("CUDA out of memory (injected by RELAYTUNE_OOM_AT)")
         with autocast:
@@ -123,11 +129,13 @@ def _distributed_step(parts: StepParts, rows: list, n_targets: int, micro_batch_
     return _update(parts, total_loss)
 
 
-def _update(parts: StepParts, total_loss: torch.Tensor) -> StepResult:
+def _update(parts: StepParts, total_loss: torch.Tensor, step: int = 0, micro_batch_size: int = 0) -> StepResult:
     if parts.scaler:
         parts.scaler.unscale_(parts.optimizer)
     limit = parts.max_grad_norm if parts.max_grad_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parts.params, limit)
+    if parts.queues_update:
+        return _queued_update(parts, total_loss, norm, step, micro_batch_size)
     loss_value, norm_value = agree.step_numbers(parts.world, total_loss.item(), norm.item())
     updated = math.isfinite(loss_value) and math.isfinite(norm_value)
     if parts.scaler:
@@ -137,3 +145,21 @@ def _update(parts: StepParts, total_loss: torch.Tensor) -> StepResult:
         parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, norm_value, updated)
+
+
+def _queued_update(parts: StepParts, total_loss: torch.Tensor, norm: torch.Tensor, step: int,
+                   micro_batch_size: int) -> StepResult:
+    """The same update, queued before the host reads the step's numbers: the fused AdamW skips it on
+    the GPU when the loss or the gradient norm is not finite (`found_inf`), exactly as the host would
+    have. Reading the loss first made the GPU idle while the host launched the update, then while it
+    made the next step's batch; that batch is made here too, while the GPU still runs this step."""
+    finite = torch.isfinite(total_loss) & torch.isfinite(norm)
+    parts.optimizer.found_inf = (~finite).float()
+    try:
+        parts.optimizer.step()
+    finally:
+        del parts.optimizer.found_inf
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.prefetch.prepare(step + 1, micro_batch_size)
+    loss_value, norm_value = torch.stack([total_loss.float(), norm.float()]).tolist()
+    return StepResult(loss_value, norm_value, math.isfinite(loss_value) and math.isfinite(norm_value))

@@ -230,6 +230,8 @@ class Trainer:
         # mid-forward would leave the others in an all-gather: there the step ends, then the save.
         hooks = [] if self.parts.sharded else \
             [m.register_forward_pre_hook(stop.check) for m in safe_points(self.live.model)]
+        self.parts.prefetch.rows_of = lambda step: [self.data.train[i] for i in self.order.batch_rows(step)]
+        self.parts.prefetch.steps = self.total
         self.step_started = time.monotonic()
         try:
             stop.install()
@@ -237,7 +239,7 @@ class Trainer:
                 t0 = self.step_started = time.monotonic()
                 ids = self.order.batch_rows(self.state.step)
                 faults.rows_trained(self.state.step, self.world.rank, self.world.share(ids))
-                rows = [self.data.train[i] for i in ids]
+                rows = self.parts.prefetch.rows(self.state.step)  # made ahead while the last step ran
                 result = self.step(rows)
                 if not self.record(result, rows, t0):
                     continue  # rolled back to a checkpoint: the steps after it are redone

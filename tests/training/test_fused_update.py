@@ -1,0 +1,182 @@
+"""The fused AdamW update (GPUs): queued before the host reads the step's loss, skipped on the device
+when the loss or the gradient is not finite, and a checkpoint of either optimizer resumes onto either.
+
+The CPU runs the same fused kernel here (torch has one for the CPU too); relaytune itself picks it on
+CUDA only (optim.fusable), so the CPU's exact-resume tests keep the per-tensor path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import lora_model_with_gradients
+
+from relaytune import faults
+from relaytune.checkpoint.load import _check_optimizer
+from relaytune.checkpoint.state import Live, restore, snapshot
+from relaytune.data.rows import TokenRow
+from relaytune.training.optim import build_optimizer, build_scheduler, fusable, skips_on_device
+from relaytune.training.step import StepParts, optimizer_step
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    model, cfg, precision = lora_model_with_gradients(tiny_model, tmp_path_factory.mktemp("fused"))
+    rng = np.random.default_rng(0)
+    rows = [TokenRow(ids, ids) for ids in (rng.integers(3, 200, n) for n in (9, 13, 7, 11))]
+    return cfg, precision, model, rows
+
+
+def _fused_adamw(model, cfg) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, fused=True)
+
+
+def _state(model, optimizer) -> list[torch.Tensor]:
+    weights = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    moments = [t.clone() for s in optimizer.state.values() for t in s.values()]
+    return weights + moments
+
+
+def _train(cfg, precision, model, rows, queued: bool, steps: int, nan_at: str = "") -> list:
+    faults.reset({"RELAYTUNE_NAN_AT": nan_at} if nan_at else {})
+    optimizer = _fused_adamw(model, cfg)
+    parts = StepParts(model, optimizer, None, precision, 0, 1.0)
+    assert parts.queues_update  # one process, no scaler, fused AdamW
+    parts.queues_update = queued
+    results = [optimizer_step(parts, rows, 2, s) for s in range(steps)]
+    faults.reset({})
+    return results, _state(model, optimizer), optimizer
+
+
+def test_the_queued_update_is_the_update_read_first_bit_for_bit(setup):
+    cfg, precision, model, rows = setup
+    start = [p.detach().clone() for p in model.parameters()]
+    first, queued_state, _ = _train(cfg, precision, model, rows, queued=True, steps=3)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start):
+            p.copy_(s)
+    second, read_first_state, _ = _train(cfg, precision, model, rows, queued=False, steps=3)
+    assert [(r.loss, r.grad_norm, r.updated) for r in first] == [(r.loss, r.grad_norm, r.updated) for r in second]
+    assert all(torch.equal(a, b) for a, b in zip(queued_state, read_first_state))
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start):
+            p.copy_(s)
+
+
+def test_a_nan_step_leaves_weights_moments_and_step_count_as_they_were(setup):
+    cfg, precision, model, rows = setup
+    start = [p.detach().clone() for p in model.parameters()]
+    faults.reset({})
+    optimizer = _fused_adamw(model, cfg)
+    parts = StepParts(model, optimizer, None, precision, 0, 1.0)
+    optimizer_step(parts, rows, 2, 0)
+    before = _state(model, optimizer)
+    faults.reset({"RELAYTUNE_NAN_AT": "1"})
+    try:
+        bad = optimizer_step(parts, rows, 2, 1)
+    finally:
+        faults.reset({})
+    assert not bad.updated and bad.loss != bad.loss  # NaN, as the host path reports it
+    after = _state(model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert {float(s["step"]) for s in optimizer.state.values()} == {1.0}
+    assert not hasattr(optimizer, "found_inf")  # the flag never outlives its step
+    assert all(p.grad is None for p in parts.params)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start):
+            p.copy_(s)
+
+
+def test_relaytune_fuses_adamw_on_cuda_tensors_only(setup):
+    cfg, precision, model, _ = setup
+    optimizer = build_optimizer(cfg, model)
+    assert not fusable([p for p in model.parameters() if p.requires_grad])  # this CPU
+    assert all(g["fused"] is None for g in optimizer.param_groups) and not skips_on_device(optimizer)
+    assert not StepParts(model, optimizer, None, precision, 0, 1.0).queues_update
+
+
+@pytest.mark.parametrize("saved_fused", [False, True])
+def test_a_checkpoint_of_either_adamw_resumes_onto_the_kernel_this_machine_picked(setup, saved_fused):
+    """A GPU run's checkpoint (fused) resumed on another machine's kind, and a checkpoint written
+    before AdamW was fused resumed on a GPU: the live flags stay, the moments and steps carry over."""
+    cfg, precision, model, rows = setup
+    start = [p.detach().clone() for p in model.parameters()]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def adamw(fused: bool):
+        groups = [{"params": params[:2], "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=fused or None)
+
+    writer = adamw(saved_fused)
+    parts = StepParts(model, writer, None, precision, 0, 1.0)
+    faults.reset({})
+    for s in range(2):
+        optimizer_step(parts, rows, 2, s)
+    files = snapshot(Live(model, writer, build_scheduler(cfg, writer, 10), None), {"step": 2}, "")
+    reader = adamw(not saved_fused)
+    live = Live(model, reader, build_scheduler(cfg, reader, 10), None)
+    _check_optimizer(writer.state_dict(), reader)  # no "optimizer param_groups: ... differ"
+    restore(files, live)
+    assert [g["fused"] for g in reader.param_groups] == [None if saved_fused else True] * 2
+    for p in params:
+        saved, loaded = writer.state[p], reader.state[p]
+        assert torch.equal(saved["exp_avg"], loaded["exp_avg"])
+        assert float(saved["step"]) == float(loaded["step"]) == 2.0
+    assert skips_on_device(reader) is (not saved_fused)
+    optimizer_step(StepParts(model, reader, None, precision, 0, 1.0), rows, 2, 2)  # it runs
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start):
+            p.copy_(s)
+
+
+def test_a_run_that_queues_its_updates_and_makes_each_batch_ahead_trains_exactly_what_one_that_waits_does(
+        tmp_path, tiny_model, chat_data, monkeypatch):
+    """Both runs use the fused AdamW (forced on this CPU); one queues the update and makes the next
+    step's micro-batches before it reads the loss, the other reads first. With an OOM that halves the
+    micro-batch (the batch made ahead at the old size is dropped) and two NaN steps that roll the run
+    back to its checkpoint (the batch made ahead for the next step is dropped), the curves, events
+    and final adapters are the same bit for bit, and every step's micro-batches were collated once."""
+    from conftest import make_config, step_records
+
+    import relaytune
+    from relaytune.training import optim, prefetch, step
+
+    monkeypatch.setattr(optim, "fusable", lambda params: True)
+    collated = []
+    real = prefetch.micro_batches
+
+    def counting(rows, *args, **kwargs):
+        collated.append(len(rows))
+        yield from real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(prefetch, "micro_batches", counting)
+    monkeypatch.setenv("RELAYTUNE_OOM_AT", "2:1")
+    monkeypatch.setenv("RELAYTUNE_NAN_AT", "5,6")
+    settings = dict(max_bad_steps=2, lora_dropout=0.1)
+    runs = {}
+    for name in ("queued", "waits"):
+        if name == "waits":
+            monkeypatch.setattr(step, "skips_on_device", lambda optimizer: False)
+        collated.clear()
+        relaytune.train(str(make_config(tmp_path / name, tiny_model, chat_data, **settings)))
+        run = tmp_path / name / "run"
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = dict(
+            curve=[(r["step"], r["loss"], r["grad_norm"]) for r in step_records(run / "metrics.jsonl")],
+            events=[{k: v for k, v in r.items() if k not in ("time", "blocked_seconds")}
+                    for r in records if "event" in r],
+            adapter=(run / "final" / "adapter_model.safetensors").read_bytes(),
+            collated=list(collated))
+    queued, waits = runs["queued"], runs["waits"]
+    assert [e["event"] for e in queued["events"]].count("oom") == 1
+    assert [e["event"] for e in queued["events"]].count("nan_rollback") == 1
+    assert queued.pop("curve") == waits.pop("curve")
+    assert queued.pop("adapter") == waits.pop("adapter")
+    assert queued.pop("events") == waits.pop("events")
+    # Each step's micro-batches were made once: ahead, and used. The one exception is the batch made
+    # ahead of the roll-back for the step after it, which was dropped.
+    assert queued["collated"] == waits["collated"] + [8]
