@@ -181,7 +181,7 @@ def worker_trl(args, liger: bool) -> dict:
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
         bf16=cuda, learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, optim=args.optim, seed=42, max_steps=args.warmup + args.steps,
+        max_grad_norm=1.0, optim=trl_optim(args.optim, cuda), seed=42, max_steps=args.warmup + args.steps,
         logging_steps=1, save_strategy="no", report_to="none", use_liger_kernel=liger,
         dataloader_num_workers=0, use_cpu=not cuda, disable_tqdm=True,
     )
@@ -257,6 +257,12 @@ def worker_trl(args, liger: bool) -> dict:
         res["peak_allocated_gib"] = round(timer.peak_alloc / GIB, 3)
         res["peak_reserved_gib"] = round(timer.peak_reserved / GIB, 3)
     return res
+
+
+def trl_optim(optim: str, cuda: bool) -> str:
+    """TRL's name for the optimizer relaytune runs under `optim`: relaytune's adamw_torch is torch's
+    fused AdamW on a GPU (training/optim.fusable), which TRL calls adamw_torch_fused (its default there)."""
+    return "adamw_torch_fused" if optim == "adamw_torch" and cuda else optim
 
 
 def relaytune_adapter_dtype(args) -> str:

@@ -27,3 +27,11 @@ def test_only_an_oom_that_halved_the_micro_batch_means_it_did_not_fit(tmp_path):
     assert not vs_trl._has_oom_event(_metrics(tmp_path / "b", step, kept, tail='{"step": 4, "lo'))
     halved = {"step": 5, "event": "oom", "micro_batch_size": 4, "was": 8}
     assert vs_trl._has_oom_event(_metrics(tmp_path / "c", step, kept, halved))
+
+
+def test_trl_runs_the_adamw_kernel_relaytune_runs():
+    import vs_trl_workers
+
+    assert vs_trl_workers.trl_optim("adamw_torch", cuda=True) == "adamw_torch_fused"
+    assert vs_trl_workers.trl_optim("adamw_torch", cuda=False) == "adamw_torch"
+    assert vs_trl_workers.trl_optim("paged_adamw_8bit", cuda=True) == "paged_adamw_8bit"
