@@ -50,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import gpu_bench  # noqa: E402  (puts src/ on sys.path and imports relaytune)
 from gpu_bench import ARCHS, WORK, build_model, long_text_data, package_versions  # noqa: E402
+from gpu_power import PowerSampler, describe  # noqa: E402
 from vs_trl_workers import RESULT, halved_micro_batch, relaytune_adapter_dtype, worker  # noqa: E402
 
 # Extra sizes for quick checks, local to this script (gpu_bench.ARCHS is the same dict object,
@@ -111,7 +112,7 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
     log = WORK / "vs_trl" / f"{run_dir.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    with open(log, "w") as fh:
+    with open(log, "w") as fh, PowerSampler() as power:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True)
         killed = False
         while proc.poll() is None:
@@ -140,6 +141,7 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
                    notes=[])
         print(f"# {system} b{batch} FAILED (exit {proc.returncode}); last lines of {log}:\n{tail}", file=sys.stderr)
     res["process_seconds"] = round(seconds, 1)
+    res["gpu"] = power.summary()  # over the whole child, while the GPU was busy (gpu_power.py)
     print(f"# {system} micro-batch {batch}: {seconds:.0f}s in its process"
           f"{'' if res.get('fits', True) else ' (did not fit)'}", file=sys.stderr, flush=True)
     return res
@@ -199,6 +201,8 @@ def report(args, results: list[dict], notes: list[str], header: str) -> str:
                      f"peak reserved x{fmt(v['peak_reserved'], '.2f', 'n/a')}"
                      + (f", micro-batch x{fmt(v['micro_batch'], '.2f')}" if v["micro_batch"] else ""))
     lines += [f"- note: {n}" for n in notes]
+    lines += [f"- GPU while {r['system']} ran (nvidia-smi, samples at >= 90% utilisation): {describe(r['gpu'])}"
+              for r in results if r.get("gpu")]
     lines += ["- peak memory: torch.cuda.max_memory_allocated / max_memory_reserved, statistics reset after "
               "the model and adapter are loaded (every system alike), read at the end of the last step; "
               f"tok/s: median of {args.steps} steps after {args.warmup} warm-up steps."]
