@@ -28,8 +28,7 @@ pytest_plugins = ["support.ranks"]
 REPO = Path(__file__).resolve().parents[1]
 
 __all__ = ["REPO", "ONE_THREAD_ENV", "ForkServer", "ForkedRun", "chat_rows", "lora_model_with_gradients",
-           "make_config", "run_cli",
-           "run_until_done", "step_records", "write_jsonl"]
+           "make_config", "run_cli", "run_until_done", "step_records", "write_jsonl"]
 
 
 @pytest.fixture(scope="session")

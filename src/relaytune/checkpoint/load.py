@@ -343,18 +343,27 @@ def capture(live) -> Loaded:
 def _apply(loaded: Loaded, live) -> None:
     from peft.utils import set_peft_model_state_dict
 
-    from relaytune.checkpoint.state import _set_rng, with_live_implementation
+    from relaytune.checkpoint.state import _set_rng, implementation_changed, with_live_implementation
+    from relaytune.log import notice
 
     result = set_peft_model_state_dict(live.model, loaded.adapter)
     if getattr(result, "unexpected_keys", None):
         raise Damaged(f"adapter has unexpected keys {result.unexpected_keys[:3]}")
     if loaded.optimizer is not None:
+        if implementation_changed(loaded.optimizer, live.optimizer):
+            notice(f"{loaded.where} was written with AdamW's {_kernel(loaded.optimizer)} kernel and this machine "
+                   f"runs the {_kernel(live.optimizer.state_dict())} one: the same update up to float rounding, "
+                   "so the run continues its curve, not bit for bit")
         live.optimizer.load_state_dict(with_live_implementation(loaded.optimizer, live.optimizer))
     if loaded.state["scheduler"] is not None:
         live.scheduler.load_state_dict(loaded.state["scheduler"])
     if live.scaler is not None and loaded.state.get("scaler"):
         live.scaler.load_state_dict(loaded.state["scaler"])
     _set_rng(loaded.rng, loaded.state["python_rng"], loaded.state["numpy_rng"])
+
+
+def _kernel(optimizer_state: dict) -> str:
+    return "fused" if any(g.get("fused") for g in optimizer_state["param_groups"]) else "per-tensor"
 
 
 def _unflatten_optimizer(tensors, meta):

@@ -311,10 +311,17 @@ def with_live_implementation(saved: dict, optimizer) -> dict:
     run's state (AdamW is fused on a GPU and not on a CPU), so a checkpoint written by either, or by
     a version before AdamW was fused, resumes onto the kernel this machine picked; torch's
     load_state_dict would otherwise take the saved flags and place the step counters by them."""
-    live = optimizer.param_groups
-    groups = [{**g, **({k: live[i][k] for k in IMPLEMENTATION_KEYS if k in live[i]} if i < len(live) else {})}
-              for i, g in enumerate(saved["param_groups"])]
+    groups = []
+    for i, group in enumerate(saved["param_groups"]):
+        live = optimizer.param_groups[i] if i < len(optimizer.param_groups) else {}
+        groups.append({**group, **{k: live[k] for k in IMPLEMENTATION_KEYS if k in live}})
     return {**saved, "param_groups": groups}
+
+
+def implementation_changed(saved: dict, optimizer) -> bool:
+    """Whether `saved` was written by another kernel than the live optimizer runs (fused or not)."""
+    return any(bool(g.get("fused")) != bool(live.get("fused"))
+               for g, live in zip(saved["param_groups"], optimizer.param_groups))
 
 
 def _safetensors_meta(raw: bytes) -> dict:

@@ -143,7 +143,8 @@ class TrainConfig(BaseModel):
     """Clip the global gradient norm to this; 0 disables clipping."""
     optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
     """Optimizer. adamw_torch is torch's AdamW, as one fused kernel on a GPU (Hugging Face's default
-    there too); the 8-bit ones (bitsandbytes) keep their state in 8 bits."""
+    there too; the same update up to float rounding); the 8-bit ones (bitsandbytes) keep their state in
+    8 bits."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999

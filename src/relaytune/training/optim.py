@@ -28,11 +28,13 @@ def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
 
 
 def fusable(params: list[torch.Tensor]) -> bool:
-    """Whether AdamW runs as one fused kernel: plain CUDA tensors (not DTensor shards, whose fused path
-    is unproven here). It is the same maths as the loop of per-tensor kernels, in one launch instead of
-    hundreds, and it can skip a non-finite step on the GPU (step.py), so the host never waits for the
-    loss before queuing the update. Hugging Face's Trainer uses it by default on torch >= 2.8 too. The
-    CPU keeps the per-tensor path, on which its exact-resume tests are byte-identical."""
+    """Whether AdamW runs as one fused kernel: plain CUDA tensors (LoRA's weights are, also under FSDP,
+    which leaves them unsharded; a DTensor would not be). It is the same update as the per-tensor
+    kernels up to float rounding (it computes the bias corrections in float32 on the GPU), in one
+    launch instead of hundreds, and it can skip a non-finite step on the GPU (step.py), so the host
+    never waits for the loss before queuing the update. Hugging Face's Trainer uses it by default on
+    torch >= 2.8 too. The CPU keeps the per-tensor path, on which its exact-resume tests are
+    byte-identical."""
     return bool(params) and all(type(p.data) is torch.Tensor and p.is_cuda and p.is_floating_point()
                                 for p in params)
 

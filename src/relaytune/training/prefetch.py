@@ -19,36 +19,46 @@ from relaytune.embedding_offload import prefetch_rows
 
 
 class Prefetch:
-    """At most one global batch made ahead. Without `rows_of` (a step -> its rows, set by the trainer)
-    nothing is made ahead and `batches` collates as it goes."""
+    """At most one global batch made ahead. `rows_of` (set by the trainer) gives a step's row ids and
+    rows; without it nothing is made ahead and `batches` collates as it goes."""
 
     def __init__(self, model, pad_id: int, width: int | None, device: torch.device):
         self.model, self.pad_id, self.width, self.device = model, pad_id, width, device
-        self.rows_of: Callable[[int], list] | None = None
+        self.rows_of: Callable[[int], tuple[list[int], list]] | None = None
         self.steps = 0  # the run's last step + 1: nothing is made ahead of it
-        self._rows: tuple[int, list] | None = None
+        self._rows: tuple[int, list[int], list] | None = None
         self._batches: tuple[list, int, list[dict]] | None = None
 
-    def rows(self, step: int) -> list:
-        """The global batch of `step`: the rows made ahead when they are that step's."""
+    def rows(self, step: int) -> tuple[list[int], list]:
+        """The row ids and rows of `step`'s global batch: the ones made ahead when they are that step's."""
         ahead, self._rows = self._rows, None
-        return ahead[1] if ahead is not None and ahead[0] == step else self.rows_of(step)
+        return (ahead[1], ahead[2]) if ahead is not None and ahead[0] == step else self.rows_of(step)
 
     def prepare(self, step: int, micro_batch_size: int) -> None:
-        """Make `step`'s rows and device micro-batches now (the first one's embedding rows too)."""
+        """Make `step`'s rows and device micro-batches now (the first one's embedding rows too). Never
+        raises out of memory: this step's update is already queued, so the trainer's redo of "this step"
+        would apply it twice. The next step makes its batch itself and meets the OOM there instead."""
         if self.rows_of is None or step >= self.steps:
             return
-        rows = self.rows_of(step)
-        batches = [to_device(b, self.device)
-                   for b in micro_batches(rows, micro_batch_size, self.pad_id, width=self.width)]
-        prefetch_rows(self.model, batches[0]["input_ids"])
-        self._rows, self._batches = (step, rows), (rows, micro_batch_size, batches)
+        ids, rows = self.rows_of(step)
+        self._rows = (step, ids, rows)
+        try:
+            batches = [to_device(b, self.device)
+                       for b in micro_batches(rows, micro_batch_size, self.pad_id, width=self.width)]
+            prefetch_rows(self.model, batches[0]["input_ids"])
+        except torch.OutOfMemoryError:
+            return
+        self._batches = (rows, micro_batch_size, batches)
 
     def batches(self, rows: list, micro_batch_size: int) -> Iterator[dict]:
-        """The device micro-batches of `rows`: the prepared ones when they were made for these."""
+        """The device micro-batches of `rows`: the prepared ones when they were made for these, each
+        let go of once it is handed out."""
         ready, self._batches = self._batches, None
         if ready is not None and ready[0] is rows and ready[1] == micro_batch_size:
-            yield from ready[2]
+            prepared = ready[2]
+            del ready
+            while prepared:
+                yield prepared.pop(0)
             return
         for batch in micro_batches(rows, micro_batch_size, self.pad_id, width=self.width):
             yield to_device(batch, self.device)

@@ -8,6 +8,7 @@ the maths stays the same, and every event is written to metrics.jsonl.
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import os
@@ -75,6 +76,17 @@ def free_memory(optimizer, model=None) -> list[str]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return released
+
+
+def forget_unscale(scaler: torch.amp.GradScaler | None) -> None:
+    """fp16: an OOM after the gradients were unscaled and before the scaler's update (AdamW making its
+    state on the first step) leaves the scaler sure that this step's gradients are unscaled already,
+    and torch refuses the redo's `unscale_`. The per-step record goes back to what `update` leaves
+    (torch keeps no public way to do it); the scale and its growth tracker stay as they were."""
+    if scaler is not None:
+        from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+        scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
 
 
 def release_gpu() -> None:

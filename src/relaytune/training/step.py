@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +73,8 @@ def optimizer_step(parts: StepParts, rows: list, micro_batch_size: int, step: in
     n_targets = count_targets(rows)  # of the whole global batch, on every rank
     if parts.world.distributed:
         return _distributed_step(parts, rows, n_targets, micro_batch_size, step)
-    return _update(parts, _forward_backward(parts, rows, n_targets, micro_batch_size, step), step, micro_batch_size)
+    total_loss = _forward_backward(parts, rows, n_targets, micro_batch_size, step)
+    return _update(parts, total_loss, prepare_next=lambda: parts.prefetch.prepare(step + 1, micro_batch_size))
 
 
 def _forward_backward(parts: StepParts, rows: list, n_targets: int, micro_batch_size: int,
@@ -129,13 +131,14 @@ def _distributed_step(parts: StepParts, rows: list, n_targets: int, micro_batch_
     return _update(parts, total_loss)
 
 
-def _update(parts: StepParts, total_loss: torch.Tensor, step: int = 0, micro_batch_size: int = 0) -> StepResult:
+def _update(parts: StepParts, total_loss: torch.Tensor, prepare_next: Callable[[], None] | None = None
+            ) -> StepResult:
     if parts.scaler:
         parts.scaler.unscale_(parts.optimizer)
     limit = parts.max_grad_norm if parts.max_grad_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parts.params, limit)
     if parts.queues_update:
-        return _queued_update(parts, total_loss, norm, step, micro_batch_size)
+        return _queued_update(parts, total_loss, norm, prepare_next)
     loss_value, norm_value = agree.step_numbers(parts.world, total_loss.item(), norm.item())
     updated = math.isfinite(loss_value) and math.isfinite(norm_value)
     if parts.scaler:
@@ -147,12 +150,13 @@ def _update(parts: StepParts, total_loss: torch.Tensor, step: int = 0, micro_bat
     return StepResult(loss_value, norm_value, updated)
 
 
-def _queued_update(parts: StepParts, total_loss: torch.Tensor, norm: torch.Tensor, step: int,
-                   micro_batch_size: int) -> StepResult:
+def _queued_update(parts: StepParts, total_loss: torch.Tensor, norm: torch.Tensor,
+                   prepare_next: Callable[[], None] | None) -> StepResult:
     """The same update, queued before the host reads the step's numbers: the fused AdamW skips it on
-    the GPU when the loss or the gradient norm is not finite (`found_inf`), exactly as the host would
-    have. Reading the loss first made the GPU idle while the host launched the update, then while it
-    made the next step's batch; that batch is made here too, while the GPU still runs this step."""
+    the GPU when the loss or the gradient norm is not finite (`found_inf`: weights, moments and step
+    counts stay as they were; only a skipped first step leaves zero moments where the host's skip left
+    none, which the next update treats alike). Reading the loss first made the GPU idle while the host
+    launched the update, then while it made the next step's batch, which `prepare_next` makes here."""
     finite = torch.isfinite(total_loss) & torch.isfinite(norm)
     parts.optimizer.found_inf = (~finite).float()
     try:
@@ -160,6 +164,7 @@ def _queued_update(parts: StepParts, total_loss: torch.Tensor, norm: torch.Tenso
     finally:
         del parts.optimizer.found_inf
     parts.optimizer.zero_grad(set_to_none=True)
-    parts.prefetch.prepare(step + 1, micro_batch_size)
-    loss_value, norm_value = torch.stack([total_loss.float(), norm.float()]).tolist()
+    if prepare_next is not None:
+        prepare_next()
+    loss_value, norm_value = total_loss.item(), norm.item()  # nothing allocated after the update: no OOM here
     return StepResult(loss_value, norm_value, math.isfinite(loss_value) and math.isfinite(norm_value))

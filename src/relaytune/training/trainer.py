@@ -47,6 +47,7 @@ from relaytune.training.preflight import Report, check_built, check_gpu
 from relaytune.training.recovery import (
     NoSmallerBatch,
     Recovery,
+    forget_unscale,
     free_memory,
     prefer_expandable_segments,
     redo_after_oom,
@@ -230,16 +231,15 @@ class Trainer:
         # mid-forward would leave the others in an all-gather: there the step ends, then the save.
         hooks = [] if self.parts.sharded else \
             [m.register_forward_pre_hook(stop.check) for m in safe_points(self.live.model)]
-        self.parts.prefetch.rows_of = lambda step: [self.data.train[i] for i in self.order.batch_rows(step)]
+        self.parts.prefetch.rows_of = self.global_batch
         self.parts.prefetch.steps = self.total
         self.step_started = time.monotonic()
         try:
             stop.install()
             while self.state.step < self.total:
                 t0 = self.step_started = time.monotonic()
-                ids = self.order.batch_rows(self.state.step)
+                ids, rows = self.parts.prefetch.rows(self.state.step)  # made ahead while the last step ran
                 faults.rows_trained(self.state.step, self.world.rank, self.world.share(ids))
-                rows = self.parts.prefetch.rows(self.state.step)  # made ahead while the last step ran
                 result = self.step(rows)
                 if not self.record(result, rows, t0):
                     continue  # rolled back to a checkpoint: the steps after it are redone
@@ -258,6 +258,11 @@ class Trainer:
                 h.remove()
             if own:
                 stop.uninstall()
+
+    def global_batch(self, step: int) -> tuple[list[int], list]:
+        """The row ids of `step`'s global batch (a pure function of seed and step) and their rows."""
+        ids = self.order.batch_rows(step)
+        return ids, [self.data.train[i] for i in ids]
 
     def agreed_stop(self, stop: StopRequest) -> None:
         """Several ranks: one tiny all-reduce of every rank's reasons to stop (a signal, the
@@ -293,6 +298,7 @@ class Trainer:
                     continuation.restart_after_oom(self.run, self.recovery, self.cfg.global_batch_size,
                                                    self.state.step, e)
                 failed_peak = peak_memory()  # the failed attempt's, for the event; later steps report their own
+                forget_unscale(self.live.scaler)
                 released = agree.all_released(self.world, free_memory(self.live.optimizer, self.live.model))
                 reset_rng(step_rng)
                 try:
