@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vs_trl  # noqa: E402  (puts src/ on sys.path; the model, data and config of the comparison)
 from gpu_bench import WORK, build_model  # noqa: E402
+from gpu_power import PowerSampler, describe  # noqa: E402
 from vs_trl_workers import relaytune_config  # noqa: E402
 
 ROWS = 15  # ops listed per table
@@ -122,7 +123,7 @@ def op_tables(prof, cuda: bool) -> list[str]:
     return lines
 
 
-def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
+def report(args, clock: StepClock, prof, cuda: bool, device: str, gpu: dict | None = None) -> str:
     # The profiler records steps warmup+1 .. warmup+steps; step i's wall time is ends[i] - ends[i-1].
     walls = [b - a for a, b in zip(clock.ends[args.warmup - 1:], clock.ends[args.warmup:])][:args.steps]
     lines = [f"### relaytune step profile: {args.arch} {'QLoRA' if args.quant == '4bit' else 'LoRA'}, "
@@ -134,6 +135,8 @@ def report(args, clock: StepClock, prof, cuda: bool, device: str) -> str:
     if busy is not None and walls:
         lines.append(f"- GPU busy: {busy:.3f} s of kernels and copies in {sum(walls):.3f} s of wall time "
                      f"= {busy / sum(walls):.0%}")
+    if gpu:
+        lines.append(f"- GPU over the whole run (nvidia-smi, samples at >= 90% utilisation): {describe(gpu)}")
     if args.gaps:
         lines += gap_report(prof, args.steps) if cuda else ["- gaps: no GPU"]
     else:
@@ -182,7 +185,7 @@ def main() -> None:
         activities = [ProfilerActivity.CPU]
     # Profiler step i is training step i+1: wait out the first warmup-1, warm the profiler up on one.
     plan = schedule(wait=args.warmup - 1, warmup=1, active=args.steps, repeat=1)
-    with profile(activities=activities, schedule=plan) as prof:
+    with PowerSampler() as power, profile(activities=activities, schedule=plan) as prof:
         clock = StepClock(prof, sync=cuda and not args.gaps)
         handle = register_optimizer_step_post_hook(clock)
         try:
@@ -191,7 +194,7 @@ def main() -> None:
             handle.remove()
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    text = report(args, clock, prof, cuda, torch.cuda.get_device_name(0) if cuda else "cpu")
+    text = report(args, clock, prof, cuda, torch.cuda.get_device_name(0) if cuda else "cpu", power.summary())
     vs_trl.publish(text, args.out)
 
 
