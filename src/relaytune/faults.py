@@ -26,6 +26,13 @@ RELAYTUNE_RECORD_ROWS=/path/prefix
 RELAYTUNE_SLOW_STEP=seconds
     Sleep this long after every optimizer step, so that a tiny test model trains
     slowly enough for a signal or a time limit to land mid-run.
+RELAYTUNE_FUSED_ADAMW=1
+    Run a GPU's update on the CPU: the fused AdamW, queued before the loss is read,
+    with the next batch made ahead (training/optim.fusable). relaytune otherwise keeps
+    the per-tensor AdamW on a CPU, so without this the CPU tests never take that path.
+    Not a fault: one of SESSION_VARIABLES, which a test's child processes keep (they
+    start without the VARIABLES), so set around a whole test session it reaches every
+    training process of it.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from dataclasses import dataclass, field
 
 VARIABLES = ("RELAYTUNE_CRASH_AT", "RELAYTUNE_FAIL_AT", "RELAYTUNE_FILL_AT", "RELAYTUNE_OOM_AT",
              "RELAYTUNE_NAN_AT", "RELAYTUNE_SLOW_STEP", "RELAYTUNE_OOM_RANK", "RELAYTUNE_RECORD_ROWS")
+SESSION_VARIABLES = ("RELAYTUNE_FUSED_ADAMW",)
 
 
 @dataclass
@@ -49,6 +57,7 @@ class Plan:
     oom: set[tuple[int, int]] = field(default_factory=set)  # (step, micro-batch)
     nan: set[int] = field(default_factory=set)
     slow_step: float = 0.0
+    fused_adamw: bool = False
     hits: Counter = field(default_factory=Counter)
 
     def points(self) -> set[str]:
@@ -75,6 +84,7 @@ def parse(env) -> Plan:
         plan.oom = set()  # injected in the first round; a real OOM does not recur at half the micro-batch
     plan.nan = {int(s[0]) for s in _items(env, "RELAYTUNE_NAN_AT")}
     plan.slow_step = float(env.get("RELAYTUNE_SLOW_STEP") or 0.0)
+    plan.fused_adamw = env.get("RELAYTUNE_FUSED_ADAMW", "").strip() == "1"
     return plan
 
 
@@ -138,6 +148,11 @@ def oom_now(step: int, micro: int) -> bool:
         plan.oom.discard((step, micro))
         return True
     return False
+
+
+def fused_adamw() -> bool:
+    """Whether the plan runs the GPU's AdamW path on the CPU too."""
+    return _current().fused_adamw
 
 
 def nan_now(step: int) -> bool:

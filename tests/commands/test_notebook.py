@@ -20,6 +20,7 @@ from conftest import ONE_THREAD_ENV, chat_rows, make_config, step_records, write
 from jupyter_client.manager import KernelManager
 
 from relaytune import atomic
+from relaytune.faults import SESSION_VARIABLES
 
 MAX_STEPS = 40
 SLOW_STEP = 0.3
@@ -128,7 +129,7 @@ def assert_clean_progress(outputs, widgets: bool) -> str:
 
 def test_interrupt_kernel_stops_with_a_checkpoint_and_rerun_continues(tmp_path, tiny_model, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(kernelspec(tmp_path / "jupyter")))
-    for k in [k for k in os.environ if k.startswith("RELAYTUNE_")]:
+    for k in [k for k in os.environ if k.startswith("RELAYTUNE_") and k not in SESSION_VARIABLES]:
         monkeypatch.delenv(k)
     work = tmp_path / "work"
     data = write_jsonl(tmp_path / "data.jsonl", chat_rows(80))

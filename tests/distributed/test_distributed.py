@@ -35,6 +35,7 @@ from support.ranks import (
 )
 
 from relaytune.checkpoint import verify
+from relaytune.faults import SESSION_VARIABLES
 
 
 def test_two_processes_train_the_same_maths_as_one(tmp_path, tiny_model, data_file, fork_cli, one_process):
@@ -228,7 +229,7 @@ def test_two_nodes_under_external_torchrun_match_one_node(tmp_path, tiny_model, 
     port = free_port()
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, **ONE_THREAD_ENV, "PYTHONUNBUFFERED": "1"}
-    env = {k: v for k, v in env.items() if not k.startswith("RELAYTUNE_")}
+    env = {k: v for k, v in env.items() if not k.startswith("RELAYTUNE_") or k in SESSION_VARIABLES}
     nodes = []
     for node in (0, 1):
         cmd = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),

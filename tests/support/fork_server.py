@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from relaytune.faults import VARIABLES
+from relaytune.faults import SESSION_VARIABLES, VARIABLES
 
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -134,7 +134,7 @@ class ForkServer:
         # differ in the last bits between thread counts, so runs compared with forked ones must
         # use the same setting (ONE_THREAD_ENV).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD_ENV}
-        for k in [k for k in env if k.startswith("RELAYTUNE_")]:
+        for k in [k for k in env if k.startswith("RELAYTUNE_") and k not in SESSION_VARIABLES]:
             del env[k]
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, bufsize=0, env=env, cwd=str(workdir))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -108,12 +109,21 @@ def test_a_nan_step_leaves_weights_moments_and_step_count_as_they_were(setup):
     assert all(p.grad is None for p in parts.params)
 
 
-def test_relaytune_fuses_adamw_on_cuda_tensors_only(setup):
+def test_relaytune_fuses_adamw_on_cuda_tensors_only_unless_a_test_plan_asks_for_it_on_the_cpu(setup):
     cfg, precision, model, _ = setup
-    optimizer = build_optimizer(cfg, model)
-    assert not fusable([p for p in model.parameters() if p.requires_grad])  # this CPU
-    assert all(g["fused"] is None for g in optimizer.param_groups) and not skips_on_device(optimizer)
-    assert not StepParts(model, optimizer, None, precision, 0, 1.0).queues_update
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        faults.reset({})
+        optimizer = build_optimizer(cfg, model)
+        assert not fusable(params)  # this CPU
+        assert all(g["fused"] is None for g in optimizer.param_groups) and not skips_on_device(optimizer)
+        assert not StepParts(model, optimizer, None, precision, 0, 1.0).queues_update
+        faults.reset({"RELAYTUNE_FUSED_ADAMW": "1"})  # CI's run of the GPU's update path on the CPU
+        optimizer = build_optimizer(cfg, model)
+        assert fusable(params) and skips_on_device(optimizer)
+        assert StepParts(model, optimizer, None, precision, 0, 1.0).queues_update
+    finally:
+        faults.reset()
 
 
 @pytest.mark.parametrize("saved_fused", [False, True])
@@ -260,3 +270,22 @@ def test_fp16s_scaler_skips_an_inf_step_with_the_fused_adamw_and_an_oom_after_un
     forget_unscale(scaler)
     redo = optimizer_step(parts, rows, 2, 1)
     assert redo.updated and scaler.get_scale() == 2.0 ** 7
+
+
+def test_the_session_plan_reaches_every_training_process(tmp_path, tiny_model, chat_data, fork_cli):
+    """CI runs the kill-and-resume tests a second time with RELAYTUNE_FUSED_ADAMW=1 around the whole
+    session (.ci/run): the forked children and the real `python -m relaytune.cli` ones must then both
+    run the fused AdamW, or their comparisons would mix two kernels. The kernel is in each checkpoint."""
+    from conftest import ONE_THREAD_ENV, make_config, run_cli
+
+    from relaytune.checkpoint.state import _safetensors_meta
+    from relaytune.run_dir import OPTIMIZER
+
+    session = os.environ.get("RELAYTUNE_FUSED_ADAMW") == "1"
+    kernels = []
+    for name, run in (("forked", fork_cli.run), ("real", lambda *a: run_cli(*a, env=ONE_THREAD_ENV))):
+        cfg = make_config(tmp_path / name, tiny_model, chat_data, max_steps=3, save_steps=2)
+        assert run("train", str(cfg)).returncode == 0
+        raw = (tmp_path / name / "run" / "checkpoints" / "step-2" / OPTIMIZER).read_bytes()
+        kernels.append({bool(g.get("fused")) for g in _safetensors_meta(raw)["param_groups"]})
+    assert kernels == [{session}, {session}]
