@@ -60,11 +60,17 @@ def prefetch_rows(model, input_ids: torch.Tensor) -> None:
     """Look up the rows of a batch that has not started yet (training/prefetch.py), so its forward
     finds them on the GPU instead of the GPU waiting for the host's lookup. Nothing when the table is
     on the GPU."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
-    lookup = getattr(embedding, "__dict__", {}).get("forward")
+    lookup = getattr(_input_embedding(_base(model)), "__dict__", {}).get("forward")
     if isinstance(lookup, HostLookup):
         input_ids.looked_up = (lookup, lookup.rows(input_ids))
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _input_embedding(base):
+    return base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
 
 
 def offloadable(model) -> torch.nn.Embedding | None:
@@ -73,8 +79,8 @@ def offloadable(model) -> torch.nn.Embedding | None:
     the output head's weight too."""
     import torch
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    base = _base(model)
+    embedding = _input_embedding(base)
     if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None:
         return None
     if embedding.weight.requires_grad or isinstance(embedding.__dict__.get("forward"), HostLookup):

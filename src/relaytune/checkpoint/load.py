@@ -343,17 +343,17 @@ def capture(live) -> Loaded:
 def _apply(loaded: Loaded, live) -> None:
     from peft.utils import set_peft_model_state_dict
 
-    from relaytune.checkpoint.state import _set_rng, implementation_changed, with_live_implementation
+    from relaytune.checkpoint.state import _set_rng, with_live_implementation
     from relaytune.log import notice
 
     result = set_peft_model_state_dict(live.model, loaded.adapter)
     if getattr(result, "unexpected_keys", None):
         raise Damaged(f"adapter has unexpected keys {result.unexpected_keys[:3]}")
     if loaded.optimizer is not None:
-        if implementation_changed(loaded.optimizer, live.optimizer):
-            notice(f"{loaded.where} was written with AdamW's {_kernel(loaded.optimizer)} kernel and this machine "
-                   f"runs the {_kernel(live.optimizer.state_dict())} one: the same update up to float rounding, "
-                   "so the run continues its curve, not bit for bit")
+        saved, running = _kernel(loaded.optimizer["param_groups"]), _kernel(live.optimizer.param_groups)
+        if saved != running:
+            notice(f"{loaded.where} was written with AdamW's {saved} kernel and this machine runs the {running} "
+                   "one: the same update up to float rounding, so the run continues its curve, not bit for bit")
         live.optimizer.load_state_dict(with_live_implementation(loaded.optimizer, live.optimizer))
     if loaded.state["scheduler"] is not None:
         live.scheduler.load_state_dict(loaded.state["scheduler"])
@@ -362,8 +362,8 @@ def _apply(loaded: Loaded, live) -> None:
     _set_rng(loaded.rng, loaded.state["python_rng"], loaded.state["numpy_rng"])
 
 
-def _kernel(optimizer_state: dict) -> str:
-    return "fused" if any(g.get("fused") for g in optimizer_state["param_groups"]) else "per-tensor"
+def _kernel(param_groups: list[dict]) -> str:
+    return "fused" if any(g.get("fused") for g in param_groups) else "per-tensor"
 
 
 def _unflatten_optimizer(tensors, meta):

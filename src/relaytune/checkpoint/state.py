@@ -318,11 +318,6 @@ def with_live_implementation(saved: dict, optimizer) -> dict:
     return {**saved, "param_groups": groups}
 
 
-def implementation_changed(saved: dict, optimizer) -> bool:
-    """Whether `saved` was written by another kernel than the live optimizer runs (fused or not)."""
-    return any(bool(g.get("fused")) != bool(live.get("fused"))
-               for g, live in zip(saved["param_groups"], optimizer.param_groups))
-
 
 def _safetensors_meta(raw: bytes) -> dict:
     header_len = int.from_bytes(raw[:8], "little")

@@ -36,8 +36,8 @@ def fusable(params: list[torch.Tensor]) -> bool:
     never waits for the loss before queuing the update. Hugging Face's Trainer uses it by default on
     torch >= 2.8 too. The CPU keeps the per-tensor path, on which its exact-resume tests are
     byte-identical."""
-    on_gpu = not faults.fused_adamw()  # a test plan runs this path on the CPU too
-    return bool(params) and all(type(p.data) is torch.Tensor and (p.is_cuda or not on_gpu) and p.is_floating_point()
+    cpu_too = faults.fused_adamw()  # a test plan runs this path on the CPU as well
+    return bool(params) and all(type(p.data) is torch.Tensor and (p.is_cuda or cpu_too) and p.is_floating_point()
                                 for p in params)
 
 
