@@ -188,10 +188,11 @@ class TrainConfig(BaseModel):
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay the compiled decoder layers as CUDA graphs: one launch instead of each kernel's, where
     the host's launching bounds the step (a small model or short batches on a fast GPU: Qwen2.5-3B
-    QLoRA at seq 512 ran 2.4x the tokens/s on an H200). Costs a longer warm-up, and up to +0.13 GiB
-    there (at seq 2048; none at seq 512). Needs torch_compile, gradient_checkpointing: true, packing
-    and one GPU. auto: on in bf16 where a layer's forward at the GPU's peak takes under 1.5 ms (the
-    host bounds it), else off. Same maths, so changing it on resume is allowed."""
+    QLoRA at seq 512 ran 2.4x the tokens/s on an H200). Costs a longer warm-up, and memory for the
+    graphs' pool: +0.13 GiB there at seq 2048, +0.04 GiB at seq 512 (none on an earlier machine).
+    Needs torch_compile, gradient_checkpointing: true, packing and one GPU. auto: on in bf16 where a
+    layer's forward at the GPU's peak takes under 1.5 ms (the host bounds it), else off. Same maths, so
+    changing it on resume is allowed."""
     compile_checkpoint: bool | Literal["auto"] = "auto"
     """Compile each decoder layer's gradient checkpoint with the layer, so backward recomputes only what
     it reads (H200: Llama-3-8B QLoRA 8.7% faster, for a backward peak 0.64 GiB higher). Needs
