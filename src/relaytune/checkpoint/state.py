@@ -318,7 +318,6 @@ def with_live_implementation(saved: dict, optimizer) -> dict:
     return {**saved, "param_groups": groups}
 
 
-
 def _safetensors_meta(raw: bytes) -> dict:
     header_len = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + header_len])
