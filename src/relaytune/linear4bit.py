@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 TABLE_BLOCK = 64  # a block size every bitsandbytes backend accepts, to read its code table
+STORAGE_DTYPES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)  # bnb_4bit_quant_storage's
 
 
 def dequantize(packed, absmax, table, blocksize: int, shape, dtype, nested=None) -> torch.Tensor:
@@ -45,8 +46,9 @@ def linear_4bit(x, weight, bias, table) -> torch.Tensor:
     every weight for backward: tests/training/test_linear4bit.py)."""
     state = weight.quant_state
     nested = (state.state2.code, state.state2.absmax, state.offset) if state.nested else None
+    packed = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)  # a float quant storage
     full = checkpoint(
-        dequantize, weight, state.absmax, table, state.blocksize, tuple(state.shape), x.dtype, nested,
+        dequantize, packed, state.absmax, table, state.blocksize, tuple(state.shape), x.dtype, nested,
         use_reentrant=False)
     return torch.nn.functional.linear(x, full, bias)
 
@@ -89,9 +91,9 @@ _fused_classes: dict[type, type] = {}
 
 
 def fusable(module: torch.nn.Module, autocast: torch.dtype | None) -> bool:
-    """A bitsandbytes Linear4bit whose weight is quantized as one plain uint8 tensor (not sharded, not
-    a float quant storage) and whose compute dtype is the autocast dtype, so that autocast leaves its
-    matmul's dtype as bitsandbytes computes it."""
+    """A bitsandbytes Linear4bit whose weight is one whole Params4bit (not sharded by FSDP; its bytes
+    stored as uint8 or, `bnb_4bit_quant_storage`, as a float dtype) and whose compute dtype is the
+    autocast dtype, so that autocast leaves its matmul's dtype as bitsandbytes computes it."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -99,7 +101,7 @@ def fusable(module: torch.nn.Module, autocast: torch.dtype | None) -> bool:
     if not isinstance(module, bnb.nn.Linear4bit) or type(module) in _fused_classes.values():
         return False
     weight, state = module.weight, getattr(module.weight, "quant_state", None)
-    if state is None or weight.dtype != torch.uint8 or type(weight) is not bnb.nn.Params4bit:
+    if state is None or type(weight) is not bnb.nn.Params4bit or weight.dtype not in STORAGE_DTYPES:
         return False
     if state.nested and (state.state2.blocksize != 256 or state.offset is None):
         return False
@@ -135,3 +137,14 @@ def unfuse_4bit_linears(layers: list[torch.nn.Module]) -> None:
             if type(module) in originals:
                 module.__class__ = originals[type(module)]
                 del module.relaytune_code_table
+
+
+def unfused_4bit_linears(layers: list[torch.nn.Module]) -> int:
+    """How many bitsandbytes Linear4bit in `layers` run bitsandbytes' own matmul when compiled."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    fused = tuple(_fused_classes.values())
+    return sum(isinstance(m, bnb.nn.Linear4bit) and not isinstance(m, fused)
+               for layer in layers for m in layer.modules())

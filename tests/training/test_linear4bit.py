@@ -23,13 +23,13 @@ BF16 = torch.bfloat16
 
 
 def _linear4bit(rows=96, cols=128, bias=True, quant_type="nf4", nested=True, compute=BF16, seed=0,
-                device="cpu"):
+                device="cpu", storage=torch.uint8):
     torch.manual_seed(seed)
     plain = torch.nn.Linear(cols, rows, bias=bias, dtype=BF16)
     layer = bnb.nn.Linear4bit(cols, rows, bias=bias, compute_dtype=compute, quant_type=quant_type,
-                              compress_statistics=nested)
+                              compress_statistics=nested, quant_storage=storage)
     layer.weight = bnb.nn.Params4bit(plain.weight.data.clone(), requires_grad=False,
-                                     quant_type=quant_type, compress_statistics=nested)
+                                     quant_type=quant_type, compress_statistics=nested, quant_storage=storage)
     if bias:
         layer.bias = torch.nn.Parameter(plain.bias.data.clone(), requires_grad=False)
     return layer.to(device)  # quantizes
@@ -89,24 +89,73 @@ def test_outside_a_compiled_region_the_fused_layer_is_bitsandbytes(one_thread):
     assert type(block.proj) is bnb.nn.Linear4bit and not hasattr(block.proj, "relaytune_code_table")
 
 
-def test_only_plain_uint8_weights_in_the_autocast_dtype_are_fused():
+def test_whole_weights_in_the_autocast_dtype_are_fused_whatever_their_storage():
     assert fusable(_linear4bit(), BF16) and fusable(_linear4bit(), None)
     assert not fusable(_linear4bit(compute=torch.float32), BF16), "autocast would change its matmul's dtype"
     assert not fusable(torch.nn.Linear(4, 4), BF16)
-    float_storage = bnb.nn.Linear4bit(128, 96, compute_dtype=BF16, quant_storage=BF16)
-    float_storage.weight = bnb.nn.Params4bit(torch.randn(96, 128, dtype=BF16), requires_grad=False,
-                                             quant_storage=BF16)
-    assert not fusable(float_storage.to("cpu"), BF16), "sharded (FSDP) 4-bit weights keep bitsandbytes"
+    for storage in (BF16, torch.float16, torch.float32):
+        assert fusable(_linear4bit(storage=storage), BF16), storage
+    sharded = _linear4bit(storage=BF16)
+    # FSDP replaces each Params4bit with a plain parameter holding its shard (a DTensor).
+    sharded.weight = torch.nn.Parameter(sharded.weight.data.clone(), requires_grad=False)
+    assert not fusable(sharded, BF16), "a sharded 4-bit weight keeps bitsandbytes' matmul"
+
+
+@pytest.mark.parametrize("storage", [BF16, torch.float16, torch.float32])
+def test_a_float_quant_storage_dequantizes_to_the_same_weight_as_uint8(storage):
+    """bnb_4bit_quant_storage only reinterprets the packed bytes: read back as bytes, the fused layer
+    dequantizes exactly what bitsandbytes does from the same storage."""
+    layer, plain = _linear4bit(storage=storage), _linear4bit()
+    state = layer.weight.quant_state
+    assert layer.weight.dtype == storage and torch.equal(layer.weight.view(torch.uint8).view(-1), plain.weight.view(-1))
+    table = code_table("nf4", torch.device("cpu"))
+    nested = (state.state2.code, state.state2.absmax, state.offset)
+    got = dequantize(layer.weight.view(torch.uint8), state.absmax, table, state.blocksize, tuple(state.shape),
+                     BF16, nested)
+    assert torch.equal(got, dequantize(plain.weight, state.absmax, table, state.blocksize, tuple(state.shape),
+                                       BF16, nested))
+    torch.testing.assert_close(got, bnb.functional.dequantize_4bit(layer.weight, state), rtol=0.02, atol=5e-3)
+
+
+def test_a_compiled_checkpoint_gives_way_to_4bit_matmuls_that_stay_bitsandbytes(tiny_model, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """A compiled checkpoint around bitsandbytes' own matmul kept every dequantized weight for backward on
+    an H200 (Llama-3-8B with a float quant storage, then not fused: 16.7 GiB against 7.5), so it stays
+    outside wherever a 4-bit layer was not fused."""
+    from relaytune import linear4bit
+    from relaytune.config.schema import TrainConfig
+    from relaytune.layers import checkpoints_inside, decoder_layers
+    from relaytune.model import choose_precision, load_model
+
+    def load(**kw):
+        cfg = TrainConfig(model=str(tiny_model), dataset="unused.jsonl", output_dir=str(tmp_path / "run"),
+                          load_in_4bit=True, torch_compile=True, gradient_checkpointing=True,
+                          compile_checkpoint=True, **kw)
+        return decoder_layers(load_model(cfg, choose_precision(cfg)))
+
+    layers = load(bnb_4bit_quant_storage="bfloat16")
+    assert all(map(checkpoints_inside, layers)) and linear4bit.unfused_4bit_linears(layers) == 0
+    assert "4-bit matmuls as torch ops), checkpoint compiled inside" in capsys.readouterr().err
+    monkeypatch.setattr(linear4bit, "fusable", lambda module, autocast: False)
+    layers = load()
+    assert not any(map(checkpoints_inside, layers))
+    err = capsys.readouterr().err
+    count = 7 * len(layers)  # q, k, v, o, gate, up, down
+    assert linear4bit.unfused_4bit_linears(layers) == count
+    assert (f"compile_checkpoint: off ({count} 4-bit matmuls stay bitsandbytes' own ops, and a compiled "
+            "checkpoint would keep each one's dequantized weight for backward)") in err
+    assert "not yet" not in err
 
 
 @pytest.mark.slow
-def test_compiled_the_graph_has_no_bitsandbytes_op_and_keeps_no_dequantized_weight(one_thread):
+@pytest.mark.parametrize("storage", [torch.uint8, BF16])
+def test_compiled_the_graph_has_no_bitsandbytes_op_and_keeps_no_dequantized_weight(one_thread, storage):
     """Each weight is dequantized by a kernel of its own, just before its matmul, in forward and again
     in backward; a kernel that dequantized both (Inductor fuses kernels that share a read) would keep
     both weights alive at once."""
     from torch._inductor.utils import run_and_get_code
 
-    block, x = Block(rows=96, cols=128), _input()
+    block, x = Block(rows=96, cols=128, storage=storage), _input()
     expected = _run(block, x)
     fuse_4bit_linears([block], BF16)
     compiled = torch.compile(block)
@@ -124,7 +173,8 @@ def test_compiled_the_graph_has_no_bitsandbytes_op_and_keeps_no_dequantized_weig
     calls = re.findall(r"(cpp_fused_\w*bitwise_and\w*)\(", source)
     assert len(calls) == 4, f"one kernel per weight, forward and backward: {calls}"
     assert ((96, 128), BF16) not in kept, f"the dequantized weight was kept for backward: {kept}"
-    assert ((6144, 1), torch.uint8) in kept, "backward dequantizes the packed weight again"
+    packed = (block.proj.weight.shape[0], 1), storage  # as stored: 6,144 bytes, as uint8 or as 3,072 bf16
+    assert packed in kept, f"backward dequantizes the packed weight again: {kept}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes' CUDA kernels")

@@ -189,17 +189,18 @@ class TrainConfig(BaseModel):
     """Replay the compiled decoder layers as CUDA graphs: one launch instead of each kernel's, where
     the host's launching bounds the step (a small model or short batches on a fast GPU: Qwen2.5-3B
     QLoRA at seq 512 ran 2.4x the tokens/s on an H200). Costs a longer warm-up, and memory for the
-    graphs' pool: +0.13 GiB there at seq 2048, +0.04 GiB at seq 512 (none on an earlier machine).
+    graphs' pool: +0.13 GiB there at seq 2048, up to +0.04 GiB at seq 512.
     Needs torch_compile, gradient_checkpointing: true, packing and one GPU. auto: on in bf16 where a
     layer's forward at the GPU's peak takes under 1.5 ms (the host bounds it), else off. Same maths, so
     changing it on resume is allowed."""
     compile_checkpoint: bool | Literal["auto"] = "auto"
     """Compile each decoder layer's gradient checkpoint with the layer, so backward recomputes only what
     it reads (H200: Llama-3-8B QLoRA 8.7% faster, for a backward peak 0.64 GiB higher). Needs
-    torch_compile and gradient_checkpointing; not with cuda_graphs or offload_activations. auto: on
-    where offload_embeddings moves the input embedding to CPU memory, which pays for it. An OOM moves
-    the checkpoint outside and redoes the step at the same micro-batch. Equal within rounding, so
-    changing it on resume is allowed."""
+    torch_compile and gradient_checkpointing; not with cuda_graphs or offload_activations, nor where a
+    4-bit layer runs bitsandbytes' own matmul (an FSDP shard), whose dequantized weight it would keep
+    for backward. auto: on where offload_embeddings moves the input embedding to CPU memory, which
+    pays for it. An OOM moves the checkpoint outside and redoes the step at the same micro-batch.
+    Equal within rounding, so changing it on resume is allowed."""
     offload_embeddings: bool | Literal["auto"] = "auto"
     """Keep a frozen input embedding not tied to the output head in CPU memory; each batch copies only
     its rows to the GPU (the same values). Llama-3-8B's is 0.98 GiB of GPU memory. auto: on for CUDA

@@ -35,7 +35,7 @@ import torch
 
 from relaytune.embedding_offload import offload_decision
 from relaytune.layers import checkpoints_inside, compile_layers, decoder_layers, is_compiled, uncompile_layers
-from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears
+from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears, unfused_4bit_linears
 from relaytune.log import info, notice, warn
 from relaytune.training import document_mask
 from relaytune.training.cuda_graphs import graphs_decision
@@ -129,8 +129,13 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         notice(f"cuda_graphs: off ({why})")
     inside = checkpoint_inside_decision(cfg, graphs, model, precision.device)
     try:
-        compile_layers(layers, cuda_graphs=graphs, checkpoint_inside=inside)
         fused = fuse_4bit_linears(layers, precision.autocast)
+        kept = unfused_4bit_linears(layers) if inside else 0
+        if kept:
+            inside = False
+            notice(f"compile_checkpoint: off ({kept} 4-bit matmuls stay bitsandbytes' own ops, and a compiled "
+                   "checkpoint would keep each one's dequantized weight for backward)")
+        compile_layers(layers, cuda_graphs=graphs, checkpoint_inside=inside)
     except Exception:
         uncompile_layers(layers)  # all or none
         unfuse_4bit_linears(layers)
@@ -138,7 +143,7 @@ def _apply_compile(model, cfg, precision) -> list[str]:
     inside = any(map(checkpoints_inside, layers))
     if getattr(cfg, "compile_checkpoint", False) is True and graphs:
         notice("compile_checkpoint: off (the layers replay CUDA graphs, which checkpoint their own way)")
-    elif getattr(cfg, "compile_checkpoint", False) is True and not inside:
+    elif getattr(cfg, "compile_checkpoint", False) is True and not inside and not kept:
         notice("compile_checkpoint: not yet (gradient checkpointing is off as the model loads; the checkpoint "
                "is compiled with each layer if the trial step turns it on)")
     return [f"torch.compile on each of {len(layers)} decoder layers"
