@@ -150,23 +150,48 @@ def _forward_signals() -> dict:
 
 def _children() -> list[int]:
     """The workers: this process's children, but not multiprocessing's resource tracker."""
+    return children_of(os.getpid())
+
+
+def children_of(pid: int) -> list[int]:
+    """A process's live children (not zombies), but not multiprocessing's resource tracker."""
     pids = []
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+    for task in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{os.getpid()}/task/{task}/children") as fh:
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
                 pids += [int(x) for x in fh.read().split()]
         except OSError:
             continue
     out = []
-    for pid in pids:
+    for child in pids:
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
                 if b"resource_tracker" in fh.read():
+                    continue
+            with open(f"/proc/{child}/stat") as fh:
+                if fh.read().rpartition(")")[2].split()[0] == "Z":
                     continue
         except OSError:
             continue
-        out.append(pid)
+        out.append(child)
     return out
+
+
+def peer_lost() -> bool:
+    """In a worker of relaytune's launcher: whether fewer workers live than LOCAL_WORLD_SIZE, so a peer
+    has died. The agent then sends the others SIGTERM, but they cannot finish their step (its
+    collectives wait for the dead peer; NCCL for its whole timeout), and the agent SIGKILLs them only
+    30 s later: 30 s of every restart, measured on 2 H200s (bench/results/multi-gpu.md). A worker that
+    has finished stays alive until every worker has returned its answer (the agent's function workers
+    wait for it to read them all), so only a crash makes one disappear early. Not under an external
+    torchrun, whose script workers exit as soon as they finish."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    if local <= 1 or os.environ.get("RELAYTUNE_LAUNCHED") != "1" or "RANK" not in os.environ:
+        return False
+    try:
+        return len(children_of(os.getppid())) < local
+    except OSError:  # no /proc: keep the agent's own timing
+        return False
 
 
 def worker(config, fresh: bool, overrides: dict) -> dict:

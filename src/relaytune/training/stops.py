@@ -4,7 +4,8 @@
   it after each optimizer step, saves and exits 75. A second signal within a few
   seconds abandons the step in progress (exit 75, nothing saved). With several processes
   (ranks) a step cannot be abandoned by one rank alone (the others would wait in a collective),
-  so there every signal stops after the step, with a checkpoint, on every rank together.
+  so there every signal stops after the step, with a checkpoint, on every rank together; but once
+  another worker has died nothing can be saved, and a signal ends the process at once.
 - `Deadline`: from `time_limit` (or the environment), says when there is no
   longer time for one more step plus a save, using measured durations.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from relaytune.log import warn, warn_unbuffered
 
+PEER_LOST_EXIT = 1  # a crash, as the dead peer's: the agent restarts the workers either way
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP") if hasattr(signal, n))
 
 
@@ -85,6 +87,12 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         now = time.monotonic()
+        if self.several and _peer_lost():
+            # No rank can save or finish a step without the dead one; the last committed checkpoint is
+            # intact, and the launcher restarts every worker from it as soon as this one is gone.
+            warn_unbuffered(f"{name} received after another worker died: exiting now, the launcher restarts "
+                            "the workers from the last committed checkpoint")
+            os._exit(PEER_LOST_EXIT)
         if self.signal_name is None:
             self.signal_name, self.at = name, now
             _say(f"{name} received: stopping after this step{self._when()}, with a checkpoint"
@@ -123,6 +131,12 @@ class StopRequest:
 
 
 _installed: StopRequest | None = None  # the request whose handlers are in place
+
+
+def _peer_lost() -> bool:
+    from relaytune.distributed.launch import peer_lost
+
+    return peer_lost()
 
 
 def _say(message: str) -> None:
