@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# RELAYTUNE_BENCH_SRC: another checkout's src/ (an A/B of two commits). PYTHONPATH cannot do this:
+# the repository's own src/ is put first here, ahead of it.
+sys.path.insert(0, os.environ.get("RELAYTUNE_BENCH_SRC") or str(Path(__file__).resolve().parents[1] / "src"))
 import relaytune  # noqa: E402
 from relaytune.tiny import CORPUS, make_tokenizer  # noqa: E402
 

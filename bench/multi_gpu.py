@@ -252,8 +252,10 @@ def t4(args) -> dict:
     data = long_text_data(global_batch * (steps + 2), seq)
     prec = {"fp16": True, "bf16": False} if cuda() else {}
     extra = {"optim": "paged_adamw_8bit"} if args.arch != "tiny" else {}
-    cfg = config(args, "t4", data, max_steps=steps, save_steps=steps, num_gpus=2, per_device_train_batch_size="auto",
+    cfg = config(args, "t4", data, max_steps=steps, save_steps=2, num_gpus=2, per_device_train_batch_size="auto",
                  global_batch_size=global_batch, max_seq_length=seq, **prec, **extra)
+    # Checkpoints every 2 steps, so that one is written after the resume: the scaler is compared there
+    # (the final adapter has no trainer state), not at the stop's own checkpoint.
     stop_at = steps // 2
     legs = [session(args, cfg, stop_at=stop_at, cap=args.cap_gib)]
     run = Path(cfg["output_dir"])
@@ -274,7 +276,8 @@ def t4(args) -> dict:
               "oom_events": [e for e in events if e["event"] == "oom"],
               "scaler_skips": sorted(skips), "stopped_at": stop_step, "scaler_at_stop": scaler_stop,
               "scaler_at_end": scaler_end, **throughput(run)}
-    if scaler_stop and scaler_end and last and stop_step:
+    result["checkpoint_after_resume"] = bool(last and stop_step and last > stop_step)
+    if scaler_stop and scaler_end and last and stop_step and last > stop_step:
         want = replay_scaler(scaler_stop, skips, stop_step, last)
         got = {"scale": scaler_end["scale"], "_growth_tracker": scaler_end["_growth_tracker"]}
         fresh = replay_scaler({**scaler_stop, "scale": 65536.0, "_growth_tracker": 0}, skips, stop_step, last)

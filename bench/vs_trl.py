@@ -324,7 +324,10 @@ def main() -> None:
 def stack_versions() -> str:
     """The versions the figures depend on (transformers 5.2x moved gradient checkpointing into the
     layer's forward, which once changed relaytune's peak memory fourfold)."""
-    return ", ".join(f"{name} {v}" for name, v in package_versions().items() if v)
+    import relaytune
+
+    return (", ".join(f"{name} {v}" for name, v in package_versions().items() if v)
+            + f"; relaytune from {Path(relaytune.__file__).resolve().parents[1]}")
 
 
 def publish(text: str, out: str | None) -> None:

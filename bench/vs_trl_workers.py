@@ -48,7 +48,7 @@ def relaytune_config(args, out: Path) -> dict:
         max_grad_norm=1.0, optim=args.optim, seed=42,
         lora_r=16, lora_alpha=32, lora_dropout=args.lora_dropout, lora_target_modules="all-linear",
         logging_steps=1, save_steps=args.save_steps or 10**6, save_every_seconds=0,
-        report_to="none", dataset_cache=False,
+        report_to="none", dataset_cache=False, num_gpus=1,  # TRL's runs use one GPU too
     )
     if torch.cuda.is_available():
         cfg["bf16"] = True
@@ -124,7 +124,8 @@ def worker_relaytune(args) -> dict:
             steps, timed = after, after
             notes.append("tokens/s and peak from the steps after the OOM's redone step (the peak was reset there)")
     res = dict(system="relaytune", batch=args.batch, wall_seconds=round(wall, 1), steps=len(steps),
-               fits=not halved and error is None, oom_events=ooms, notes=notes)
+               fits=not halved and error is None, oom_events=ooms, notes=notes,
+               relaytune_src=str(Path(relaytune.__file__).resolve().parents[1]))
     if error is not None:
         res["error"] = f"{type(error).__name__}: {str(error)[:300]}"
     if timed:
