@@ -51,6 +51,7 @@ class StopRequest:
         self.committed = False  # the stop checkpoint is committed: nothing but exit 75 is left
         self.eta = None  # () -> seconds until the stop, or None
         self.last_checkpoint = None  # () -> name of the newest committed checkpoint, or None
+        self.finish_writes = None  # () -> None: waits for a checkpoint being committed in the background
         # One of several ranks (RANK/WORLD_SIZE set): no abandoning; the launcher also forwards the
         # signal the process group already got, so a repeat within a second is the same request.
         self.several = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE") or 1) > 1
@@ -88,11 +89,16 @@ class StopRequest:
         name = signal.Signals(signum).name
         now = time.monotonic()
         if self.several and _peer_lost():
-            # No rank can save or finish a step without the dead one; the last committed checkpoint is
-            # intact, and the launcher restarts every worker from it as soon as this one is gone.
+            # No rank can save or finish a step without the dead one. A checkpoint already being
+            # committed in the background may finish (the agent's SIGKILL bounds the wait); then the
+            # launcher restarts every worker from the last committed checkpoint.
             warn_unbuffered(f"{name} received after another worker died: exiting now, the launcher restarts "
                             "the workers from the last committed checkpoint")
-            os._exit(PEER_LOST_EXIT)
+            try:
+                if self.finish_writes is not None:
+                    self.finish_writes()
+            finally:
+                os._exit(PEER_LOST_EXIT)
         if self.signal_name is None:
             self.signal_name, self.at = name, now
             _say(f"{name} received: stopping after this step{self._when()}, with a checkpoint"

@@ -226,7 +226,7 @@ class Trainer:
                         disable=not self.world.is_main)
         own = self.stop is None  # the Python API's Trainer used on its own: handlers for the loop only
         stop = self.stop = self.stop or StopRequest()
-        stop.eta = self._seconds_to_stop
+        stop.eta, stop.finish_writes = self._seconds_to_stop, self.checkpointer.close
         # A second signal abandons the step at the next layer; not under FSDP, where a rank that left
         # mid-forward would leave the others in an all-gather: there the step ends, then the save.
         hooks = [] if self.parts.sharded else \
