@@ -485,3 +485,43 @@ def test_the_checkpoint_compiled_inside_counts_where_it_applies_and_the_defaults
         assert plan(QWEN3B, 4, **kw).total_allocated == plan(QWEN3B, 4, compile_checkpoint=False, **kw).total_allocated
     assert plan(QWEN3B, 4, cuda_graphs=False, compile_checkpoint=True).total_allocated > \
         plan(QWEN3B, 4, cuda_graphs=False).total_allocated
+
+
+# --- FSDP: the frozen base sharded over the GPUs (distributed/fsdp.py) ------------------------------
+# 2 H200s, Llama-3-8B, micro-batch 2 per GPU, seq 2048, dropout 0, checkpointing, layers not compiled
+# (torch_compile: auto is off under FSDP); QLoRA with a bf16 quant storage (bench/results/multi-gpu.md).
+FSDP_CALIBRATION = [({}, 12.608), ({"quantization": "nf4"}, 6.868)]
+
+
+@pytest.mark.parametrize("settings,measured", FSDP_CALIBRATION)
+def test_sharded_predictions_within_5_percent_of_the_two_h200_measurements(settings, measured):
+    assert peak(LLAMA8B, 2, lora_dropout=0.0, shards=2, **settings) == pytest.approx(measured, rel=0.05)
+
+
+def test_under_fsdp_a_gpu_holds_the_whole_head_its_share_of_the_rest_and_two_gathered_layers():
+    arch = resolve_architecture(LLAMA8B)
+    one, two = Settings(max_seq_length=2048), Settings(max_seq_length=2048, shards=2)
+    whole = estimate_memory(arch, one, 2, True).parts["frozen weights"]
+    head = arch.vocab_size * arch.hidden_size * 2
+    layer = sum(m.in_features * m.out_features for m in arch.layer_linears()) * 2
+    assert estimate_memory(arch, two, 2, True).parts["frozen weights"] == int(head + (whole - head) / 2 + 2 * layer)
+    assert "sharded over 2 GPUs (FSDP)" in estimate_memory(arch, two, 2, True).details["frozen weights"]
+
+
+def test_relaytune_plan_with_fsdp_over_two_gpus_plans_each_gpus_share_with_the_layers_eager():
+    """`fsdp: true, num_gpus: 2`: the plan is one GPU's, as the trainer plans it once it shards
+    (training/autobatch.shard); `fsdp: auto` may or may not shard, so it is planned replicated."""
+    from relaytune.config import TrainConfig
+
+    def memory(**kw):
+        cfg = TrainConfig(model=LLAMA8B, dataset="data.jsonl", output_dir="run", bf16=True, lora_dropout=0.0,
+                          gradient_checkpointing=True, max_seq_length=2048, per_device_train_batch_size=2, **kw)
+        plan = make_plan(cfg, parse_gpu("H200"))
+        return plan.settings, plan.memory
+
+    settings, sharded = memory(fsdp=True, num_gpus=2)
+    assert (settings.shards, settings.compiled_layers) == (2, False)
+    assert sharded.total_allocated / GIB == pytest.approx(12.608, rel=0.05)
+    replicated_settings, replicated = memory(num_gpus=2)
+    assert (replicated_settings.shards, replicated_settings.compiled_layers) == (1, True)
+    assert sharded.parts["frozen weights"] < 0.65 * replicated.parts["frozen weights"]

@@ -151,3 +151,33 @@ def test_the_planners_view_of_this_gpu_carries_its_peak_so_cuda_graphs_memory_is
     assert (gpu.tflops, gpu.compiles, gpu.bf16) == (989.0, True, True)
     monkeypatch.setattr(autobatch, "device_identity", lambda: ("Some Future GPU", 150_000_000_000))
     assert autobatch.planner_gpu().tflops is None
+
+
+def test_once_fsdp_shards_the_base_auto_plans_again_with_each_gpus_share(monkeypatch):
+    """Llama-3-8B LoRA on a bf16 base with 15 GiB per GPU: replicated, not even micro-batch 1 fits; sharded
+    over 2 GPUs the plan takes each GPU's share of the base, the settings FSDP loads with (layers not
+    compiled), and a larger micro-batch (no trial step confirms one under FSDP)."""
+    from relaytune.plan import Gpu, parse_gpu, resolve_architecture, settings_from_config
+
+    gpu = Gpu("NVIDIA T4-like (15.0 GiB usable)", 15.0, True, parse_gpu("T4").tflops, compiles=True)
+    config = cfg(model="meta-llama/Meta-Llama-3-8B", per_device_train_batch_size="auto", global_batch_size=16,
+                 max_seq_length=1024, bf16=True, gradient_checkpointing=True)
+    arch = resolve_architecture(config.model)
+    choice = autobatch.AutoChoice(micro_batch=0, gradient_checkpointing=True, device="gpu", total_memory=1,
+                                  how_micro="", how_gc="as configured", auto_micro=True)
+    autobatch._choose_fresh(choice, (arch, settings_from_config(config, gpu), gpu), "auto", True, 16)
+    choice.plan_inputs = (arch, settings_from_config(config, gpu), gpu)
+    choice.refresh_estimate()
+    assert choice.micro_batch == 1 and "not even 1 fits" in choice.how_micro
+    replicated = choice.frozen_bytes
+    loads = config.model_copy(update={"fsdp": True, "torch_compile": False, "compile_checkpoint": False})
+    autobatch.shard(choice, loads, 2)
+    settings = choice.plan_inputs[1]
+    assert (settings.shards, settings.compiled_layers) == (2, False)
+    assert choice.frozen_bytes < 0.65 * replicated and choice.frozen_bytes == choice.estimate.parts["frozen weights"]
+    assert choice.micro_batch > 1 and choice.how_micro.startswith("auto: planned for NVIDIA T4-like")
+    kept = autobatch.AutoChoice(micro_batch=4, gradient_checkpointing=True, device="gpu", total_memory=1,
+                                how_micro="auto, from the checkpoint", how_gc="", auto_micro=True,
+                                from_checkpoint=True, plan_inputs=(arch, settings_from_config(config, gpu), gpu))
+    autobatch.shard(kept, loads, 2)
+    assert kept.micro_batch == 4, "a choice kept from the checkpoint is not made again"

@@ -33,8 +33,9 @@ CHECKPOINT_EXTRA = 64 * 1024  # trainer state, RNG states, metrics history and m
 UNLIMITED_KEEP = 10  # save_total_limit unset keeps every checkpoint; the preflight counts this many too
 
 
-def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Settings:
-    """Settings from a TrainConfig (or anything with its field names), precision chosen as relaytune would."""
+def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0, shards: int = 1) -> Settings:
+    """Settings from a TrainConfig (or anything with its field names), precision chosen as relaytune would;
+    `shards`: the processes FSDP shards the frozen base over."""
     if cfg.bf16 and not gpu.bf16:
         dtype = "fp16"  # relaytune falls back to fp16 with a gradient scaler, with a notice
     elif cfg.fp16:
@@ -51,12 +52,12 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0) -> Setti
         double_quant=getattr(cfg, "bnb_4bit_use_double_quant", True), compute_dtype=dtype, optim=cfg.optim,
         lora_r=cfg.lora_r, lora_target_modules=targets if isinstance(targets, str) else tuple(targets),
         lora_dropout=cfg.lora_dropout, save_only_model=cfg.save_only_model, labelled_fraction=labelled_fraction,
-        compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu),
+        compiled_layers=compiles_layers(getattr(cfg, "torch_compile", "auto"), gpu, sharded=shards > 1),
         offload_activations=bool(getattr(cfg, "offload_activations", False)),
         adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4,
         graphs=graphs_setting(cfg, gpu, dtype), graphs_peak_flops=(gpu.tflops or 0.0) * 1e12,
         offload_embeddings=offload_setting(cfg),
-        compile_checkpoint=checkpoint_setting(cfg))
+        compile_checkpoint=checkpoint_setting(cfg), shards=shards)
 
 
 def checkpoint_setting(cfg) -> str:
@@ -87,9 +88,10 @@ def graphs_setting(cfg, gpu: Gpu, dtype: str) -> str:
     return "on" if setting is True else "auto" if dtype == "bf16" else "off"
 
 
-def compiles_layers(setting, gpu: Gpu) -> bool:
-    """Whether relaytune will compile the decoder layers on this card, as training/speedups.py decides."""
-    return setting is True or (setting == "auto" and gpu.compiles)
+def compiles_layers(setting, gpu: Gpu, sharded: bool = False) -> bool:
+    """Whether relaytune will compile the decoder layers on this card, as training/speedups.py decides
+    (`auto` is off under FSDP: distributed/fsdp.load_settings)."""
+    return setting is True or (setting == "auto" and gpu.compiles and not sharded)
 
 
 @dataclass
@@ -132,7 +134,9 @@ def make_plan(cfg, gpu: Gpu, *, arch: Architecture | None = None, rows: int | No
     known (else every row is assumed to fill max_seq_length, an upper bound).
     """
     arch = arch or resolve_architecture(cfg.model)
-    settings = settings_from_config(cfg, gpu, labelled_fraction)
+    gpus = getattr(cfg, "num_gpus", 1)
+    shards = gpus if getattr(cfg, "fsdp", False) is True and isinstance(gpus, int) and gpus > 1 else 1
+    settings = settings_from_config(cfg, gpu, labelled_fraction, shards=shards)
     # `auto` micro-batch / checkpointing: resolved for this card as the trainer would (plan/advice.choose_auto).
     global_batch = getattr(cfg, "global_batch_size", None) or \
         cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps

@@ -160,6 +160,23 @@ def choose(cfg, saved: dict | None, model_dir: str | None = None) -> AutoChoice:
     return choice
 
 
+def shard(choice: AutoChoice, cfg, shards: int) -> None:
+    """The plan again once FSDP shards the frozen base over `shards` processes: each GPU's share of the
+    weights, the settings the sharded model loads with (`cfg`, distributed/fsdp.load_settings applied),
+    and a fresh `auto` choice from it (no trial step confirms one under FSDP)."""
+    if choice.plan_inputs is None:
+        return
+    from relaytune.plan import settings_from_config
+
+    arch, _, gpu = choice.plan_inputs
+    settings = settings_from_config(cfg, gpu, shards=shards)
+    if choice.probes:
+        _choose_fresh(choice, (arch, settings, gpu), cfg.per_device_train_batch_size, cfg.gradient_checkpointing,
+                      cfg.global_batch_size)
+    choice.plan_inputs = (arch, settings, gpu)
+    choice.refresh_estimate()
+
+
 def _choose_fresh(choice: AutoChoice, plan_inputs, micro_setting, gc_setting, global_batch: int) -> None:
     """The `auto` settings chosen on this device, with no checkpoint's choice to keep: the CPU's
     defaults, a safe start where the planner does not know the model, else the planner's."""

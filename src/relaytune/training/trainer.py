@@ -107,8 +107,10 @@ class Trainer:
                                      source.path if not source.gguf_file else None)
         # FSDP (distributed/fsdp.py) when asked, or when the replicated base would not leave room
         self.sharded = fsdp.sharded(cfg, self.world, self.auto.frozen_bytes)
-        frozen = self.auto.frozen_bytes and self.auto.frozen_bytes // (self.world.size if self.sharded else 1)
-        check_gpu(report, frozen)
+        if self.sharded:  # planned again with each GPU's share of the base
+            loads = cfg.model_copy(update={"fsdp": True, **fsdp.load_settings(cfg, self.precision.dtype)})
+            autobatch.shard(self.auto, loads, self.world.size)
+        check_gpu(report, self.auto.frozen_bytes)
         self._build(source, report)
         self._start(loaded)
 
