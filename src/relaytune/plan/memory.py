@@ -249,8 +249,8 @@ def linear_bytes(arch: Architecture, s: Settings) -> float:
 def frozen_per_gpu(arch: Architecture, s: Settings) -> int:
     """The frozen weights one GPU holds. Under FSDP (`shards` > 1) the output head stays whole (and so
     does a tied input embedding, the same tensor), the rest is split evenly, and two decoder layers are
-    all-gathered at once: the one computing and the next, prefetched. On 2 H200s this put Llama-3-8B
-    within 3-4% of the measured peaks (bench/results/multi-gpu.md)."""
+    all-gathered at once: the one computing and the next, prefetched. On 2 H200s the planner then came
+    within 4% below the measured peaks of Llama-3-8B (bench/results/multi-gpu.md)."""
     whole = weight_bytes(arch, s)
     if s.shards <= 1:
         return whole
