@@ -321,6 +321,7 @@ def main() -> None:
         packing=args.packing, adapter_dtype=cfg["adapter_dtype"], relaytune_set=args.relaytune_set or [],
         steps=args.steps, checkpoint_at=args.save_at, optim=args.optim, lora_dropout=args.lora_dropout,
         device=torch.cuda.get_device_name(device), torch=torch.__version__,
+        relaytune_src=str(Path(relaytune.__file__).resolve().parents[1]),
         torch_max_memory_allocated_gib=round(torch_peak / GIB, 3),
         metrics_peak_memory_gib=max((r.get("peak_memory_gib", 0) for r in records if "loss" in r), default=None),
         checkpoint_events=[r for r in records if r.get("event") == "checkpoint"],
