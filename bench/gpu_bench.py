@@ -35,6 +35,8 @@ sys.path.insert(0, os.environ.get("RELAYTUNE_BENCH_SRC") or str(Path(__file__).r
 import relaytune  # noqa: E402
 from relaytune.tiny import CORPUS, make_tokenizer  # noqa: E402
 
+RELAYTUNE_SRC = str(Path(relaytune.__file__).resolve().parents[1])  # the src/ whose figures these are
+
 ARCHS = {
     "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,

@@ -265,7 +265,7 @@ def main() -> None:
               "(torch.cuda.memory._record_memory_history), which the CPU has none of. Run it on the H200.",
               file=sys.stderr)
         raise SystemExit(2)
-    from gpu_bench import WORK, build_model
+    from gpu_bench import RELAYTUNE_SRC, WORK, build_model
     from vs_trl_workers import relaytune_config
 
     import relaytune
@@ -321,7 +321,7 @@ def main() -> None:
         packing=args.packing, adapter_dtype=cfg["adapter_dtype"], relaytune_set=args.relaytune_set or [],
         steps=args.steps, checkpoint_at=args.save_at, optim=args.optim, lora_dropout=args.lora_dropout,
         device=torch.cuda.get_device_name(device), torch=torch.__version__,
-        relaytune_src=str(Path(relaytune.__file__).resolve().parents[1]),
+        relaytune_src=RELAYTUNE_SRC,
         torch_max_memory_allocated_gib=round(torch_peak / GIB, 3),
         metrics_peak_memory_gib=max((r.get("peak_memory_gib", 0) for r in records if "loss" in r), default=None),
         checkpoint_events=[r for r in records if r.get("event") == "checkpoint"],

@@ -324,10 +324,8 @@ def main() -> None:
 def stack_versions() -> str:
     """The versions the figures depend on (transformers 5.2x moved gradient checkpointing into the
     layer's forward, which once changed relaytune's peak memory fourfold)."""
-    import relaytune
-
     return (", ".join(f"{name} {v}" for name, v in package_versions().items() if v)
-            + f"; relaytune from {Path(relaytune.__file__).resolve().parents[1]}")
+            + f"; relaytune from {gpu_bench.RELAYTUNE_SRC}")
 
 
 def publish(text: str, out: str | None) -> None:

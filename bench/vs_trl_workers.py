@@ -69,6 +69,7 @@ def halved_micro_batch(oom_event: dict) -> bool:
 
 def worker_relaytune(args) -> dict:
     import torch
+    from gpu_bench import RELAYTUNE_SRC
 
     import relaytune
 
@@ -125,7 +126,7 @@ def worker_relaytune(args) -> dict:
             notes.append("tokens/s and peak from the steps after the OOM's redone step (the peak was reset there)")
     res = dict(system="relaytune", batch=args.batch, wall_seconds=round(wall, 1), steps=len(steps),
                fits=not halved and error is None, oom_events=ooms, notes=notes,
-               relaytune_src=str(Path(relaytune.__file__).resolve().parents[1]))
+               relaytune_src=RELAYTUNE_SRC)
     if error is not None:
         res["error"] = f"{type(error).__name__}: {str(error)[:300]}"
     if timed:

@@ -119,9 +119,9 @@ def test_a_float_quant_storage_dequantizes_to_the_same_weight_as_uint8(storage):
 
 def test_a_compiled_checkpoint_gives_way_to_4bit_matmuls_that_stay_bitsandbytes(tiny_model, tmp_path,
                                                                                   monkeypatch, capsys):
-    """A compiled checkpoint around bitsandbytes' own matmul kept every dequantized weight for backward on
-    an H200 (Llama-3-8B with a float quant storage, then not fused: 16.7 GiB against 7.5), so it stays
-    outside wherever a 4-bit layer was not fused."""
+    """On an H200, Llama-3-8B with a float quant storage (then not fused) and its checkpoint compiled
+    inside peaked at 16.7 GiB against 7.5; the inferred cause is the compiled checkpoint keeping each
+    dequantized weight for backward, so it stays outside wherever a 4-bit layer was not fused."""
     from relaytune import linear4bit
     from relaytune.config.schema import TrainConfig
     from relaytune.layers import checkpoints_inside, decoder_layers

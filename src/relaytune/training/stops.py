@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from relaytune.distributed.launch import peer_lost
 from relaytune.log import warn, warn_unbuffered
 
 PEER_LOST_EXIT = 1  # a crash, as the dead peer's: the agent restarts the workers either way
@@ -88,7 +89,7 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         now = time.monotonic()
-        if self.several and _peer_lost():
+        if self.several and peer_lost():
             # No rank can save or finish a step without the dead one. A checkpoint already being
             # committed in the background may finish (the agent's SIGKILL bounds the wait); then the
             # launcher restarts every worker from the last committed checkpoint.
@@ -137,12 +138,6 @@ class StopRequest:
 
 
 _installed: StopRequest | None = None  # the request whose handlers are in place
-
-
-def _peer_lost() -> bool:
-    from relaytune.distributed.launch import peer_lost
-
-    return peer_lost()
 
 
 def _say(message: str) -> None:
