@@ -28,41 +28,41 @@ class HostLookup:
 
     def __init__(self, module: torch.nn.Embedding, device: torch.device):
         self.module, self.device = module, device
+        self.ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # (host ids, their rows): prefetch_rows
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """nn.Embedding.forward's call: the ids positionally or as `input`."""
-        input_ids = args[0] if args else kwargs["input"]
-        ready = getattr(input_ids, "looked_up", None)  # by prefetch_rows, while the last step ran
-        if ready is not None and ready[0] is self:
-            input_ids.looked_up = None  # once: a second forward of the same ids looks them up again
-            return ready[1]
-        return self.rows(input_ids)
-
-    def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
-        import torch
-
         from relaytune.data.batches import host_copy
 
-        weight = self.module.weight
+        input_ids = args[0] if args else kwargs["input"]
         # The batch's pinned source when it has one (data/batches.py): copying the ids back from the
         # GPU would make the host wait there for all the kernels queued before it.
         ids = host_copy(input_ids)
         ids = input_ids.to("cpu") if ids is None else ids
-        pinned = self.device.type == "cuda"
-        rows = torch.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype, pin_memory=pinned)
-        torch.index_select(weight.detach(), 0, ids.reshape(-1), out=rows.view(-1, weight.shape[1]))
+        ahead, self.ahead = self.ahead, None  # used once: a second forward of the same ids looks up again
+        rows = ahead[1] if ahead is not None and ahead[0] is ids else self.host_rows(ids)
         # From pinned memory the copy is asynchronous, and torch's host allocator reuses the buffer
         # only once the copy is done.
-        return rows.to(self.device, non_blocking=pinned)
+        return rows.to(self.device, non_blocking=self.device.type == "cuda")
+
+    def host_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of host `ids`, in pinned memory when they go to a GPU."""
+        import torch
+
+        weight = self.module.weight
+        rows = torch.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype,
+                           pin_memory=self.device.type == "cuda")
+        torch.index_select(weight.detach(), 0, ids.reshape(-1), out=rows.view(-1, weight.shape[1]))
+        return rows
 
 
-def prefetch_rows(model, input_ids: torch.Tensor) -> None:
-    """Look up the rows of a batch that has not started yet (training/prefetch.py), so its forward
-    finds them on the GPU instead of the GPU waiting for the host's lookup. Nothing when the table is
-    on the GPU."""
+def prefetch_rows(model, host_ids: torch.Tensor) -> None:
+    """Look up the rows of a batch that has not started yet (training/prefetch.py) into host memory,
+    so its forward only queues their copy. `host_ids` is the tensor the batch's device ids are copied
+    from (data/batches.to_device keeps it as their `host_copy`). Nothing when the table is on the GPU."""
     lookup = getattr(_input_embedding(_base(model)), "__dict__", {}).get("forward")
     if isinstance(lookup, HostLookup):
-        input_ids.looked_up = (lookup, lookup.rows(input_ids))
+        lookup.ahead = (host_ids, lookup.host_rows(host_ids))
 
 
 def _base(model):

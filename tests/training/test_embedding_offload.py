@@ -116,25 +116,33 @@ def test_the_lookup_reads_the_batchs_host_copy_instead_of_copying_the_ids_back(u
 
 def test_rows_looked_up_ahead_are_what_the_forward_returns_once_then_it_looks_up_again(
         untied_model, tiny_model, tmp_path, monkeypatch):
-    """training/prefetch.py looks up the next batch's rows while the GPU runs this step; the forward
-    then takes them instead of waiting for the host's lookup. A table on the GPU has nothing to do."""
+    """training/prefetch.py looks up the next batch's rows into host memory while the GPU runs this
+    step; the forward of the device ids copied from those host ids (their `host_copy`) then takes
+    them instead of looking up. Other ids, or a second forward, look up. A table on the GPU has
+    nothing to do."""
     _, model = _load(untied_model, tmp_path)
     embedding = model.get_input_embeddings()
     offload_input_embedding(model, torch.device("cpu"))
+    lookup = embedding.forward
     lookups = []
-    real = HostLookup.rows
-    monkeypatch.setattr(HostLookup, "rows", lambda self, ids: lookups.append(ids) or real(self, ids))
-    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
-    prefetch_rows(model, ids)
-    ahead = ids.looked_up[1]
-    assert len(lookups) == 1 and torch.equal(ahead, embedding.weight[ids])
-    assert embedding(ids) is ahead and len(lookups) == 1, "the forward took the rows made ahead"
-    assert torch.equal(embedding(ids), ahead) and len(lookups) == 2, "used once; a second forward looks up"
+    real = HostLookup.host_rows
+    monkeypatch.setattr(HostLookup, "host_rows", lambda self, ids: lookups.append(ids) or real(self, ids))
+    host_ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    prefetch_rows(model, host_ids)
+    ahead = lookup.ahead[1]
+    assert len(lookups) == 1 and torch.equal(ahead, embedding.weight[host_ids])
+    device_ids = host_ids.clone()
+    device_ids.host_copy = host_ids
+    assert embedding(device_ids) is ahead and len(lookups) == 1, "the forward took the rows made ahead"
+    assert torch.equal(embedding(device_ids), ahead) and len(lookups) == 2, "used once; a second forward looks up"
+
+    prefetch_rows(model, host_ids)
+    assert torch.equal(embedding(host_ids.clone()), ahead) and len(lookups) == 4, "other ids look up"
+    assert lookup.ahead is None, "and the rows made ahead are let go"
 
     _, on_gpu = _load(tiny_model, tmp_path)  # tied: the table stays where it is
-    other = torch.tensor([[3, 4]])
-    prefetch_rows(on_gpu, other)
-    assert getattr(other, "looked_up", None) is None
+    prefetch_rows(on_gpu, torch.tensor([[3, 4]]))
+    assert not isinstance(on_gpu.get_input_embeddings().__dict__.get("forward"), HostLookup)
 
 
 def test_the_plan_counts_the_table_in_host_memory_only_where_it_is_untied():

@@ -289,3 +289,26 @@ def test_the_session_plan_reaches_every_training_process(tmp_path, tiny_model, c
         raw = (tmp_path / name / "run" / "checkpoints" / "step-2" / OPTIMIZER).read_bytes()
         kernels.append({bool(g.get("fused")) for g in _safetensors_meta(raw)["param_groups"]})
     assert kernels == [{session}, {session}]
+
+
+def test_the_batch_made_ahead_waits_on_the_host_until_its_step_takes_it(monkeypatch):
+    """Making the next batch ahead allocates nothing on the GPU: device tensors made there raised an
+    H200's seq-512 peak by 47 MiB with CUDA graphs on. Only `batches`, as the step takes each
+    micro-batch, copies it to the device, in the order the step uses them."""
+    from relaytune.training import prefetch
+
+    rng = np.random.default_rng(1)
+    rows = [TokenRow(ids, ids) for ids in (rng.integers(3, 200, n) for n in (5, 8, 6))]
+    copied = []
+    monkeypatch.setattr(prefetch, "to_device", lambda batch, device: copied.append(batch) or batch)
+    ahead = prefetch.Prefetch(model=None, pad_id=0, width=None, device=torch.device("cpu"))
+    ahead.rows_of, ahead.steps = (lambda step: ([0, 1, 2], rows)), 2
+    ahead.prepare(1, 2)
+    assert copied == [], "nothing went to the device while the last step ran"
+    _, step_rows = ahead.rows(1)
+    assert step_rows is rows
+    taken = []
+    for batch in ahead.batches(rows, 2):
+        assert len(copied) == len(taken) + 1, "each micro-batch is copied as the step takes it"
+        taken.append(batch)
+    assert [b["input_ids"].shape[0] for b in taken] == [2, 1] and copied == taken

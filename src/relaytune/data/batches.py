@@ -76,11 +76,18 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
     moved = {}
-    for key, value in batch.items():
-        pinned = value.pin_memory()
+    for key, pinned in pinned_batch(batch, device).items():
         moved[key] = pinned.to(device, non_blocking=True)
         moved[key].host_copy = pinned
     return moved
+
+
+def pinned_batch(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch in pinned host memory when it goes to a GPU (as it is otherwise): the host's
+    part of `to_device`, which a batch pinned here skips."""
+    if device.type != "cuda":
+        return batch
+    return {k: v if v.is_pinned() else v.pin_memory() for k, v in batch.items()}
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
