@@ -189,7 +189,7 @@ class TrainConfig(BaseModel):
     """Replay the compiled decoder layers as CUDA graphs: one launch instead of each kernel's, where
     the host's launching bounds the step (a small model or short batches on a fast GPU: Qwen2.5-3B
     QLoRA at seq 512 ran 2.4x the tokens/s on an H200). Costs a longer warm-up, and memory for the
-    graphs' pool: +0.13 GiB there at seq 2048, up to +0.04 GiB at seq 512.
+    graphs' pool: +0.13 GiB there at seq 2048, none measured at seq 512.
     Needs torch_compile, gradient_checkpointing: true, packing and one GPU. auto: on in bf16 where a
     layer's forward at the GPU's peak takes under 1.5 ms (the host bounds it), else off. Same maths, so
     changing it on resume is allowed."""

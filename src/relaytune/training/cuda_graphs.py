@@ -6,9 +6,9 @@ host-overhead-h200.md`). When the GPU's own work in that call is shorter, the GP
 and the step is as long as the host's work. CUDA graphs replay the recorded kernels in one launch,
 which removes most of that host work; relaytune.layers.RecomputedLayer is the checkpoint that makes
 the replays safe in training. They cost a longer warm-up, and some memory: on an H200, Qwen2.5-3B QLoRA
-peaked 0.13 GiB higher with them at seq 2048, and at seq 512 0.043 GiB higher (2.890 against 2.847
-GiB, the graphs' private pool). At seq 512 the code of 6399047 peaked no higher with them (2.847, in the
-same lease as today's 2.894): a later change grew the pool, not yet found (bench/results/vs-trl-h200.md).
+peaked 0.13 GiB higher with them at seq 2048. At seq 512 they cost nothing once the next step's batch
+was made ahead on the host only (2.847 GiB with and without them; the batch's device tensors made
+ahead had raised it to 2.894 with them: training/prefetch.py, bench/results/vs-trl-h200.md).
 
 auto turns them on where a layer's forward, at the GPU's dense peak, is shorter than
 AUTO_MAX_LAYER_MS: there the host bounds the step, or a good part of it. Measured on one H200
