@@ -21,6 +21,14 @@ if TYPE_CHECKING:
 
 GIB = 2 ** 30
 AUTO_MIN_BYTES = 256 * 2 ** 20  # below this the GPU memory saved is not worth a host round trip per batch
+# Decoders whose input embedding is transformers' *ScaledWordEmbedding, an nn.Embedding subclass that
+# `offloadable` refuses; the planner reads this to say so without the model. Every Gemma family is one.
+SCALED_EMBEDDING_TYPES = frozenset({"biogpt", "minicpm3"})
+
+
+def scaled_input_embedding(model_type: str) -> bool:
+    """Whether a model type's input embedding scales its output (and so stays on the GPU)."""
+    return "gemma" in model_type or model_type in SCALED_EMBEDDING_TYPES
 
 
 class HostLookup:

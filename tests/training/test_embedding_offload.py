@@ -192,3 +192,26 @@ def test_compile_checkpoint_auto_goes_inside_only_where_the_embedding_leaves_the
     asked = cfg.model_copy(update={"compile_checkpoint": True})
     assert checkpoint_inside_decision(asked, False, tied, torch.device("cpu")), "asked for: wherever it can run"
     assert not checkpoint_inside_decision(cfg.model_copy(update={"compile_checkpoint": False}), False, untied, CUDA)
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "minicpm3",
+                                        "biogpt", "llama", "qwen2", "mistral"])
+def test_the_planner_and_the_runtime_agree_on_which_untied_tables_leave_the_gpu(model_type):
+    """The planner decides from config.json alone; the runtime from the loaded module's class. For each
+    model type, an untied frozen model built by the installed transformers is offloadable exactly where
+    the planner counts its table in host memory: Gemma's scaled embedding stays on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from relaytune.plan.architectures import Architecture
+    from relaytune.plan.memory import Settings, embeddings_offloaded
+    from relaytune.plan.sources import from_config_dict
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, vocab_size=256, tie_word_embeddings=False)
+    config = AutoConfig.for_model(model_type, **small)
+    model = AutoModelForCausalLM.from_config(config).requires_grad_(False)
+    arch = from_config_dict(config.to_dict())
+    assert isinstance(arch, Architecture) and not arch.tied_embeddings
+    planned = embeddings_offloaded(arch, Settings(max_seq_length=512, offload_embeddings="on"))
+    assert planned == (offloadable(model) is not None), type(model.get_input_embeddings()).__name__
+    assert planned == (model_type in ("llama", "qwen2", "mistral"))

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from relaytune.errors import UserError
 from relaytune.plan.architectures import Architecture
-from relaytune.plan.facts import chunk_tokens, embedding_offload_min_bytes, plain_head_types
+from relaytune.plan.facts import chunk_tokens, embedding_offload_min_bytes, input_embedding_scales, plain_head_types
 from relaytune.plan.gpus import CUDA_CONTEXT_GIB
 from relaytune.training.cuda_graphs import auto_turns_on
 
@@ -265,11 +265,12 @@ def checkpoint_inside(arch: Architecture, s: Settings) -> bool:
 
 
 def embeddings_offloaded(arch: Architecture, s: Settings) -> bool:
-    """Whether the input embedding is in host memory (embedding_offload.offload_decision's rule): not
-    when it is tied to the head, nor when LoRA adapts it (PEFT's wrapper is no plain nn.Embedding)."""
+    """Whether the input embedding is in host memory (embedding_offload.offload_decision's rule): not when
+    tied to the head, adapted by LoRA, or scaling its output (Gemma's): none is a plain nn.Embedding."""
     table = arch.vocab_size * arch.hidden_size * DTYPE_BYTES[s.compute_dtype]
     wanted = s.offload_embeddings == "on" or (s.offload_embeddings == "auto" and table >= embedding_offload_min_bytes())
-    return wanted and not arch.tied_embeddings and not adapts_embedding(s.lora_target_modules)
+    return (wanted and not arch.tied_embeddings and not adapts_embedding(s.lora_target_modules)
+            and not input_embedding_scales(arch.model_type))
 
 
 def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int = 4) -> tuple[int, int]:
