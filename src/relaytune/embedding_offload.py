@@ -47,8 +47,10 @@ class HostLookup:
         # GPU would make the host wait there for all the kernels queued before it.
         ids = host_copy(input_ids)
         ids = input_ids.to("cpu") if ids is None else ids
-        ahead, self.ahead = self.ahead, None  # used once: a second forward of the same ids looks up again
-        rows = ahead[1] if ahead is not None and ahead[0] is ids else self.host_rows(ids)
+        if self.ahead is not None and self.ahead[0] is ids:  # used once: a second forward looks up again
+            rows, self.ahead = self.ahead[1], None
+        else:  # other ids (an evaluation between steps) leave the rows for the forward they were made for
+            rows = self.host_rows(ids)
         # From pinned memory the copy is asynchronous, and torch's host allocator reuses the buffer
         # only once the copy is done.
         return rows.to(self.device, non_blocking=self.device.type == "cuda")

@@ -118,8 +118,8 @@ def test_rows_looked_up_ahead_are_what_the_forward_returns_once_then_it_looks_up
         untied_model, tiny_model, tmp_path, monkeypatch):
     """training/prefetch.py looks up the next batch's rows into host memory while the GPU runs this
     step; the forward of the device ids copied from those host ids (their `host_copy`) then takes
-    them instead of looking up. Other ids, or a second forward, look up. A table on the GPU has
-    nothing to do."""
+    them instead of looking up. Other ids (an evaluation between steps), or a second forward, look
+    up, and the rows made ahead still wait for their own forward. A table on the GPU has nothing to do."""
     _, model = _load(untied_model, tmp_path)
     embedding = model.get_input_embeddings()
     offload_input_embedding(model, torch.device("cpu"))
@@ -137,8 +137,11 @@ def test_rows_looked_up_ahead_are_what_the_forward_returns_once_then_it_looks_up
     assert torch.equal(embedding(device_ids), ahead) and len(lookups) == 2, "used once; a second forward looks up"
 
     prefetch_rows(model, host_ids)
-    assert torch.equal(embedding(host_ids.clone()), ahead) and len(lookups) == 4, "other ids look up"
-    assert lookup.ahead is None, "and the rows made ahead are let go"
+    ahead = lookup.ahead[1]
+    other_ids = torch.tensor([[9, 10, 11]])
+    assert torch.equal(embedding(other_ids), embedding.weight[other_ids]) and len(lookups) == 4, "other ids look up"
+    assert embedding(device_ids) is ahead and len(lookups) == 4, "and leave the rows made ahead to their forward"
+    assert lookup.ahead is None
 
     _, on_gpu = _load(tiny_model, tmp_path)  # tied: the table stays where it is
     prefetch_rows(on_gpu, torch.tensor([[3, 4]]))
