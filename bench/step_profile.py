@@ -18,9 +18,13 @@ in bands of gap length, totalled by the kernel that ended each wait, and the lon
 work on either side (a wait that ends at an optimizer kernel is the step boundary; one that ends at
 a compiled layer's first kernel is that call's host overhead).
 
+--kernels lists every GPU kernel's time per step and the matmuls grouped by input shape (an adapter's
+have a dimension of its rank, the head's the vocabulary), instead of the op tables.
+
     python bench/step_profile.py --arch qwen2.5-3b --quant 4bit --batch 4 --seq 512 --packing \\
         --out bench/results/step-profile-h200.md
     python bench/step_profile.py --arch llama-3-8b --quant 4bit --batch 2 --packing --steps 3 --gaps
+    python bench/step_profile.py --arch llama-3-8b --quant 4bit --batch 2 --packing --steps 3 --kernels
     python bench/step_profile.py --arch tiny --seq 128 --steps 2 --warmup 1   # CPU smoke test
 """
 
@@ -123,6 +127,29 @@ def op_tables(prof, cuda: bool) -> list[str]:
     return lines
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+
+
+def kernel_tables(prof, steps: int) -> list[str]:
+    """Every GPU kernel by name (ms per step, calls per step), and the matmuls by their input shapes,
+    so that the time of the frozen weights' matmuls, the adapters' and the head's can be told apart."""
+    totals: dict[str, list[float]] = {}
+    for e in device_work(prof):
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    busy = sum(t for t, _ in totals.values())
+    lines = ["", f"GPU kernels and copies ({busy / 1e3 / steps:.1f} ms per step; ms per step, share, calls per step):",
+             "", "```"]
+    for name, (us, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:4 * ROWS]:
+        lines.append(f"{us / 1e3 / steps:8.2f}  {us / busy:6.1%}  {calls / steps:7.1f}  {name[:110]}")
+    lines += ["```", "", "Matmuls by input shapes (ms of GPU time per step, calls per step, shapes):", "", "```"]
+    shaped = [a for a in prof.key_averages(group_by_input_shape=True) if a.key in MATMULS]
+    for a in sorted(shaped, key=lambda a: -a.self_device_time_total)[:3 * ROWS]:
+        lines.append(f"{a.self_device_time_total / 1e3 / steps:8.2f}  {a.count / steps:7.1f}  {a.key} {a.input_shapes}")
+    return lines + ["```"]
+
+
 def report(args, clock: StepClock, prof, cuda: bool, device: str, gpu: dict | None = None) -> str:
     # The profiler records steps warmup+1 .. warmup+steps; step i's wall time is ends[i] - ends[i-1].
     walls = [b - a for a, b in zip(clock.ends[args.warmup - 1:], clock.ends[args.warmup:])][:args.steps]
@@ -139,6 +166,8 @@ def report(args, clock: StepClock, prof, cuda: bool, device: str, gpu: dict | No
         lines.append(f"- GPU over the whole run (nvidia-smi, samples at >= 90% utilisation): {describe(gpu)}")
     if args.gaps:
         lines += gap_report(prof, args.steps) if cuda else ["- gaps: no GPU"]
+    elif args.kernels:
+        lines += kernel_tables(prof, args.steps) if cuda else ["- kernels: no GPU"]
     else:
         lines += op_tables(prof, cuda)
     if args.relaytune_set:
@@ -158,6 +187,9 @@ def main() -> None:
     p.add_argument("--gaps", action="store_true",
                    help="record the GPU alone (the host runs at its unprofiled pace, no sync between steps) "
                         "and report where the GPU waits instead of the op tables")
+    p.add_argument("--kernels", action="store_true",
+                   help="report every GPU kernel's time per step and the matmuls by input shape (records "
+                        "shapes) instead of the op tables")
     args = p.parse_args()
     if args.warmup < 1:
         p.error("--warmup must be at least 1 (the first step compiles)")
@@ -185,7 +217,7 @@ def main() -> None:
         activities = [ProfilerActivity.CPU]
     # Profiler step i is training step i+1: wait out the first warmup-1, warm the profiler up on one.
     plan = schedule(wait=args.warmup - 1, warmup=1, active=args.steps, repeat=1)
-    with PowerSampler() as power, profile(activities=activities, schedule=plan) as prof:
+    with PowerSampler() as power, profile(activities=activities, schedule=plan, record_shapes=args.kernels) as prof:
         clock = StepClock(prof, sync=cuda and not args.gaps)
         handle = register_optimizer_step_post_hook(clock)
         try:

@@ -58,3 +58,42 @@ def test_the_gap_report_finds_where_the_gpu_waits(monkeypatch):
     assert "| 10-100 us | 0 | 0.00 |" in text and "| 100-1000 us | 0 | 0.00 |" in text
     assert "    2.00     1.0  adamw" in text and "    0.01     1.0  mm" in text
     assert text.index("     2000  mm") < text.index("        8  copy")
+
+
+def test_the_kernel_report_totals_each_kernel_and_tells_matmuls_apart_by_shape(monkeypatch):
+    """--kernels: every kernel's time per step, largest first, and the matmuls by input shapes (an
+    adapter's have its rank as a dimension)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import step_profile
+
+    class Span:
+        def __init__(self, us):
+            self.us = us
+
+        def elapsed_us(self):
+            return self.us
+
+    class Work:
+        def __init__(self, name, us):
+            self.name, self.time_range = name, Span(us)
+
+    class Average:
+        def __init__(self, key, shapes, us, count):
+            self.key, self.input_shapes, self.self_device_time_total, self.count = key, shapes, us, count
+
+    class Prof:
+        def key_averages(self, group_by_input_shape=False):
+            assert group_by_input_shape
+            return [Average("aten::add", [[8]], 9_000, 2), Average("aten::mm", [[64, 16], [16, 64]], 600, 4),
+                    Average("aten::mm", [[64, 64], [64, 64]], 3_000, 2)]
+
+    work = [Work("gemm", 1_500), Work("dropout", 200), Work("gemm", 1_500), Work("dropout", 200)]
+    monkeypatch.setattr(step_profile, "device_work", lambda prof: work)
+    text = "\n".join(step_profile.kernel_tables(Prof(), steps=2))
+    assert "(1.7 ms per step; ms per step, share, calls per step)" in text
+    assert "    1.50   88.2%      1.0  gemm" in text and "    0.20   11.8%      1.0  dropout" in text
+    assert text.index("gemm") < text.index("dropout")
+    shapes = text.split("Matmuls by input shapes")[1]
+    assert "aten::add" not in shapes
+    assert shapes.index("    1.50      1.0  aten::mm [[64, 64], [64, 64]]") < \
+        shapes.index("    0.30      2.0  aten::mm [[64, 16], [16, 64]]")
