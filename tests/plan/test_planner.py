@@ -525,3 +525,33 @@ def test_relaytune_plan_with_fsdp_over_two_gpus_plans_each_gpus_share_with_the_l
     replicated_settings, replicated = memory(num_gpus=2)
     assert (replicated_settings.shards, replicated_settings.compiled_layers) == (1, True)
     assert sharded.parts["frozen weights"] < 0.65 * replicated.parts["frozen weights"]
+
+
+def test_auto_keeps_the_checkpoint_outside_at_a_micro_batch_where_inside_would_not_fit():
+    """Under a 14.5 GiB cap on an H200, Llama-3-8B QLoRA at micro-batch 8 ran out of memory with the
+    checkpoint compiled inside (14.31 GiB when it failed) and peaked at 14.31 GiB with it outside
+    (bench/results/vs-trl-h200.md, twentieth session). The plan at micro-batch 8 is the outside one and
+    says why; at 4, or on the whole card, the checkpoint stays inside."""
+    from relaytune.config import TrainConfig
+    from relaytune.plan import checkpoint_in_force
+
+    def config(micro, **kw):
+        return TrainConfig(model=LLAMA8B, dataset="data.jsonl", output_dir="run", load_in_4bit=True, bf16=True,
+                           gradient_checkpointing=True, max_seq_length=2048, per_device_train_batch_size=micro,
+                           adapter_dtype="bfloat16", **kw)
+
+    capped = parse_gpu("H200:14.5")
+    eight, outside = make_plan(config(8), capped), make_plan(config(8, compile_checkpoint=False), capped)
+    assert eight.memory.total_allocated == outside.memory.total_allocated
+    assert eight.memory.total_allocated / GIB == pytest.approx(14.31, rel=0.06)
+    assert ("compile_checkpoint: auto keeps the checkpoint outside the layers at micro-batch 8: compiled inside "
+            "them it would take 15.14 GiB, more than this card holds with a 10% margin") in eight.notes
+    four = make_plan(config(4), capped)
+    assert four.memory.total_allocated > make_plan(config(4, compile_checkpoint=False), capped).memory.total_allocated
+    assert not any("compile_checkpoint" in n for n in four.notes)
+    assert make_plan(config(8), parse_gpu("H200")).memory.total_allocated > outside.memory.total_allocated
+    settings, arch = eight.settings, resolve_architecture(LLAMA8B)
+    assert checkpoint_in_force(arch, settings, capped, 8, True).compile_checkpoint == "off"
+    assert checkpoint_in_force(arch, settings, capped, 8, False) is settings, "nothing to compile without checkpointing"
+    on = make_plan(config(8, compile_checkpoint=True), capped)
+    assert on.memory.total_allocated > outside.memory.total_allocated, "asked for: kept, whatever the fit"

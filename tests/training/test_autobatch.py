@@ -181,3 +181,31 @@ def test_once_fsdp_shards_the_base_auto_plans_again_with_each_gpus_share(monkeyp
                                 from_checkpoint=True, plan_inputs=(arch, settings_from_config(config, gpu), gpu))
     autobatch.shard(kept, loads, 2)
     assert kept.micro_batch == 4, "a choice kept from the checkpoint is not made again"
+
+
+def test_a_micro_batch_whose_compiled_checkpoint_would_not_fit_loads_with_it_outside(monkeypatch, capsys):
+    """On an H200 under a 14.5 GiB cap, Llama-3-8B QLoRA at micro-batch 8 ran out of memory with the
+    checkpoint compiled inside the layers, then trained with it outside
+    (bench/results/vs-trl-h200.md, twentieth session). At start-up the plan now says so: the model
+    loads with compile_checkpoint off and a notice says why. Micro-batch 4 keeps it inside."""
+    from relaytune.plan import estimate_memory, parse_gpu, resolve_architecture, settings_from_config
+
+    gpu = parse_gpu("H200:14.5")
+    config = cfg(model="meta-llama/Meta-Llama-3-8B", per_device_train_batch_size=8, max_seq_length=2048,
+                 bf16=True, gradient_checkpointing=True, load_in_4bit=True, adapter_dtype="bfloat16")
+    arch = resolve_architecture(config.model)
+    monkeypatch.setattr(autobatch, "device_identity", lambda: ("NVIDIA H200", 150_000_000_000))
+    monkeypatch.setattr(autobatch, "_plan_inputs", lambda c, d: (arch, settings_from_config(c, gpu), gpu))
+    choice = autobatch.choose(config, None)
+    assert choice.plan_inputs[1].compile_checkpoint == "off"
+    assert choice.load_settings() == {"gradient_checkpointing": True, "compile_checkpoint": False}
+    assert ("compile_checkpoint: off (with the checkpoint compiled inside the layers, micro-batch 8 is planned "
+            "at 15.14 GiB, more than H200 (14.5 GiB) holds with a 10% margin)") in capsys.readouterr().err
+    outside = choice.estimate.total_allocated
+
+    four = autobatch.choose(config.model_copy(update={"per_device_train_batch_size": 4}), None)
+    assert four.checkpoint_outside is None and four.plan_inputs[1].compile_checkpoint == "auto"
+    assert four.load_settings() == {"gradient_checkpointing": True}
+    assert "compile_checkpoint" not in capsys.readouterr().err
+    settings = settings_from_config(config, gpu)
+    assert outside < estimate_memory(arch, settings, 8, True).total_allocated, "the estimate is the outside one"

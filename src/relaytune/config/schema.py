@@ -199,7 +199,9 @@ class TrainConfig(BaseModel):
     torch_compile and gradient_checkpointing; not with cuda_graphs or offload_activations, nor where a
     4-bit layer runs bitsandbytes' own matmul (an FSDP shard), whose dequantized weight it would keep
     for backward. auto: on where offload_embeddings moves the input embedding to CPU memory, which
-    pays for it. An OOM moves the checkpoint outside and redoes the step at the same micro-batch.
+    pays for it, unless the memory plan at the micro-batch in force says it would not fit the GPU
+    with a 10% margin (then off from the start). An OOM moves the checkpoint outside and redoes the
+    step at the same micro-batch.
     Equal within rounding, so changing it on resume is allowed."""
     offload_embeddings: bool | Literal["auto"] = "auto"
     """Keep a frozen input embedding not tied to the output head in CPU memory; each batch copies only

@@ -15,6 +15,7 @@ from relaytune.plan.advice import (
                                    Change,
                                    CheckpointingOff,
                                    changes_when_nothing_fits,
+                                   checkpoint_in_force,
                                    checkpointing_off,
                                    choose_auto,
                                    fit_status,
@@ -30,7 +31,8 @@ from relaytune.plan.throughput import estimate_eta, estimate_throughput
 
 __all__ = [
     "FITS", "GIB", "NO_FIT", "TIGHT", "Architecture", "Change", "CheckpointingOff", "Gpu", "MemoryEstimate", "Plan",
-    "Settings", "changes_when_nothing_fits", "checkpoint_bytes", "checkpointing_off", "choose_auto", "estimate_eta",
-    "estimate_memory", "estimate_throughput", "fit_status", "format_plan", "from_config_dict", "known_ids",
-    "largest_micro_batch", "make_plan", "parse_gpu", "resolve_architecture", "settings_from_config",
+    "Settings", "changes_when_nothing_fits", "checkpoint_bytes", "checkpoint_in_force", "checkpointing_off",
+    "choose_auto", "estimate_eta", "estimate_memory", "estimate_throughput", "fit_status", "format_plan",
+    "from_config_dict", "known_ids", "largest_micro_batch", "make_plan", "parse_gpu", "resolve_architecture",
+    "settings_from_config",
 ]

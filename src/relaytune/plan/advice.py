@@ -156,3 +156,20 @@ def choose_auto(arch: Architecture, settings: Settings, gpu: Gpu, micro_batch: i
     if off is not None and off * seq >= min((on or 0) * seq, AUTO_GC_OFF_TOKENS):
         return off, False
     return on, True
+
+
+def checkpoint_in_force(arch: Architecture, settings: Settings, gpu: Gpu, micro_batch: int,
+                        gradient_checkpointing: bool) -> Settings:
+    """`compile_checkpoint: auto` at the micro-batch in force: where auto would compile the checkpoint
+    inside each layer (the input embedding in host memory pays for its higher backward peak), it does so
+    only if the plan with it inside fits this GPU with the margin; otherwise the settings come back with
+    it outside, before the first step rather than after its out-of-memory error. On an H200 under a
+    14.5 GiB cap, Llama-3-8B QLoRA at micro-batch 8 ran out of memory with it inside (14.31 GiB when it
+    failed; planned 15.14) and trained with it outside (bench/results/vs-trl-h200.md, twentieth session)."""
+    if settings.compile_checkpoint != "auto":
+        return settings
+    outside = replace(settings, compile_checkpoint="off")
+    inside = estimate_memory(arch, settings, micro_batch, gradient_checkpointing)
+    if inside.total_allocated == estimate_memory(arch, outside, micro_batch, gradient_checkpointing).total_allocated:
+        return settings  # auto keeps it outside here anyway
+    return settings if fit_status(inside, gpu) == FITS else outside

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 from relaytune.errors import UserError
 from relaytune.plan.advice import (
+    MARGIN,
     Change,
     CheckpointingOff,
     changes_when_nothing_fits,
+    checkpoint_in_force,
     checkpointing_off,
     choose_auto,
     fit_status,
@@ -19,6 +21,7 @@ from relaytune.plan.advice import (
 from relaytune.plan.architectures import Architecture
 from relaytune.plan.gpus import Gpu
 from relaytune.plan.memory import (
+    GIB,
     MemoryEstimate,
     Settings,
     estimate_memory,
@@ -143,7 +146,8 @@ def make_plan(cfg, gpu: Gpu, *, arch: Architecture | None = None, rows: int | No
     micro, gc = choose_auto(arch, settings, gpu, cfg.per_device_train_batch_size, global_batch,
                             cfg.gradient_checkpointing)
     micro = micro or 1
-    memory = estimate_memory(arch, settings, micro, gc)
+    in_force = checkpoint_in_force(arch, settings, gpu, micro, gc)
+    memory = estimate_memory(arch, in_force, micro, gc)
     best = largest_micro_batch(arch, settings, gpu, global_batch, gc)
     best_any = largest_micro_batch(arch, settings, gpu, global_batch, gc, divisors_only=False)
     per_ckpt, kept, disk = checkpoint_disk(arch, settings, cfg.save_total_limit)
@@ -161,7 +165,8 @@ def make_plan(cfg, gpu: Gpu, *, arch: Architecture | None = None, rows: int | No
         changes=changes_when_nothing_fits(arch, settings, gpu, gc) if best_any is None else [],
         offload_best=largest_with_offload(arch, settings, gpu, global_batch, gc),
         checkpoint_bytes=per_ckpt, checkpoints_kept=kept, disk_bytes=disk, throughput=throughput, steps=steps,
-        tokens=tokens, tokens_note=note, eta=eta, notes=plan_notes(arch, settings, gpu, cfg))
+        tokens=tokens, tokens_note=note, eta=eta,
+        notes=plan_notes(arch, settings, gpu, cfg) + checkpoint_note(arch, settings, in_force, micro, gc))
 
 
 def checkpoint_disk(arch: Architecture, settings: Settings, save_total_limit: int | None) -> tuple[int, int, int]:
@@ -220,6 +225,15 @@ def plan_notes(arch: Architecture, settings: Settings, gpu: Gpu, cfg) -> list[st
         notes.append(f"{arch.model_type} computes its loss through the model's own forward (full logits); "
                      "longer sequences cost much more memory than with relaytune's chunked loss")
     return notes
+
+
+def checkpoint_note(arch: Architecture, settings: Settings, in_force: Settings, micro: int, gc: bool) -> list[str]:
+    """Why `compile_checkpoint: auto` keeps the checkpoint outside the layers at this micro-batch, if it does."""
+    if in_force is settings:
+        return []
+    inside = estimate_memory(arch, settings, micro, gc).total_allocated / GIB
+    return [f"compile_checkpoint: auto keeps the checkpoint outside the layers at micro-batch {micro}: compiled "
+            f"inside them it would take {inside:.2f} GiB, more than this card holds with a {MARGIN:.0%} margin"]
 
 
 def check_plan_inputs(rows: int | None, mean_tokens: float | None) -> None:

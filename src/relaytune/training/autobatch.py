@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relaytune.errors import UserError
-from relaytune.log import info, warn
+from relaytune.log import info, notice, warn
 from relaytune.training.speedups import compile_decision
 
 CPU_MICRO_BATCH = 8  # the CPU default for `auto`: the largest divisor of the global batch up to this
@@ -56,6 +56,7 @@ class AutoChoice:
     estimate: object | None = field(default=None, repr=False)  # plan.MemoryEstimate at the choice
     frozen_bytes: int | None = None  # the planner's frozen-weights part (the preflight's refusal)
     plan_inputs: tuple | None = field(default=None, repr=False)  # (Architecture, Settings, Gpu) on a GPU
+    checkpoint_outside: str | None = None  # why compile_checkpoint: auto stays off (plan.checkpoint_in_force)
 
     def refresh_estimate(self) -> None:
         """The planner's figure at the micro-batch and checkpointing now in force (after a trial step)."""
@@ -65,6 +66,14 @@ class AutoChoice:
             arch, settings, _ = self.plan_inputs
             self.estimate = estimate_memory(arch, settings, self.micro_batch, self.gradient_checkpointing)
             self.frozen_bytes = self.estimate.parts["frozen weights"]
+
+    def load_settings(self) -> dict:
+        """The config's fields as the model loads with them: the checkpointing in force, and the
+        checkpoint kept outside the compiled layers where the plan says it would not fit inside."""
+        if self.checkpoint_outside:
+            notice(f"compile_checkpoint: off ({self.checkpoint_outside})")
+            return {"gradient_checkpointing": self.gradient_checkpointing, "compile_checkpoint": False}
+        return {"gradient_checkpointing": self.gradient_checkpointing}
 
     @property
     def probes(self) -> bool:
@@ -155,9 +164,24 @@ def choose(cfg, saved: dict | None, model_dir: str | None = None) -> AutoChoice:
     if not choice.from_checkpoint and (auto_micro or auto_gc):
         _choose_fresh(choice, (arch, settings, gpu), micro_setting, gc_setting, global_batch)
     if arch is not None:
-        choice.plan_inputs = (arch, settings, gpu)
+        _place_checkpoint(choice, arch, settings, gpu)
         choice.refresh_estimate()
     return choice
+
+
+def _place_checkpoint(choice: AutoChoice, arch, settings, gpu) -> None:
+    """The plan's inputs with `compile_checkpoint: auto` resolved at the micro-batch in force."""
+    from relaytune.plan import GIB, checkpoint_in_force, estimate_memory
+    from relaytune.plan.advice import MARGIN
+
+    in_force = checkpoint_in_force(arch, settings, gpu, choice.micro_batch, choice.gradient_checkpointing)
+    choice.checkpoint_outside = None
+    if in_force is not settings:
+        inside = estimate_memory(arch, settings, choice.micro_batch, choice.gradient_checkpointing)
+        choice.checkpoint_outside = (f"with the checkpoint compiled inside the layers, micro-batch "
+                                     f"{choice.micro_batch} is planned at {inside.total_allocated / GIB:.2f} GiB, "
+                                     f"more than {gpu.name} holds with a {MARGIN:.0%} margin")
+    choice.plan_inputs = (arch, in_force, gpu)
 
 
 def shard(choice: AutoChoice, cfg, shards: int) -> None:
@@ -173,7 +197,7 @@ def shard(choice: AutoChoice, cfg, shards: int) -> None:
     if choice.probes:
         _choose_fresh(choice, (arch, settings, gpu), cfg.per_device_train_batch_size, cfg.gradient_checkpointing,
                       cfg.global_batch_size)
-    choice.plan_inputs = (arch, settings, gpu)
+    _place_checkpoint(choice, arch, settings, gpu)
     choice.refresh_estimate()
 
 

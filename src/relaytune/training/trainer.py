@@ -122,7 +122,7 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the LoRA initialisation; a resume overwrites it
         auto = self.auto
-        update: dict = {"gradient_checkpointing": auto.gradient_checkpointing}
+        update = auto.load_settings()
         if self.sharded:
             update.update(fsdp.load_settings(cfg, self.precision.dtype))
         model = load_model(cfg.model_copy(update=update), self.precision, source, to_shard=self.sharded)
