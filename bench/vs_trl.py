@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -142,9 +143,20 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
         print(f"# {system} b{batch} FAILED (exit {proc.returncode}); last lines of {log}:\n{tail}", file=sys.stderr)
     res["process_seconds"] = round(seconds, 1)
     res["gpu"] = power.summary()  # over the whole child, while the GPU was busy (gpu_power.py)
+    if system == "relaytune":
+        res["notices"] = relaytune_notices(text)
     print(f"# {system} micro-batch {batch}: {seconds:.0f}s in its process"
           f"{'' if res.get('fits', True) else ' (did not fit)'}", file=sys.stderr, flush=True)
     return res
+
+
+NOTICE = re.compile(r"relaytune: (?:note: |speed-ups: )[^\r\n]*")
+
+
+def relaytune_notices(log_text: str) -> list[str]:
+    """What relaytune told the user about its choices (its notes and speed-ups line), from a child's
+    log, where tqdm's carriage returns may share a line with them."""
+    return NOTICE.findall(log_text)
 
 
 def _has_oom_event(run_dir: Path) -> bool:

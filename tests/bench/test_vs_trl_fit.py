@@ -35,3 +35,18 @@ def test_trl_runs_the_adamw_kernel_relaytune_runs():
     assert vs_trl_workers.trl_optim("adamw_torch", cuda=True) == "adamw_torch_fused"
     assert vs_trl_workers.trl_optim("adamw_torch", cuda=False) == "adamw_torch"
     assert vs_trl_workers.trl_optim("paged_adamw_8bit", cuda=True) == "paged_adamw_8bit"
+
+
+def test_relaytunes_notes_and_speed_ups_come_back_from_the_childs_log():
+    """The child's stderr goes to a log the report does not show; its choices (a checkpoint kept
+    outside the layers, the speed-ups in force) come back in the result, also where tqdm's carriage
+    returns share their line."""
+    log = ("Loading weights: 100%|##| 291/291\n"
+           "relaytune: note: compile_checkpoint: off (micro-batch 8 is planned at 15.14 GiB)\n"
+           "relaytune: speed-ups: FlexAttention; torch.compile on each of 32 decoder layers\n"
+           "train:  14%|#  | 1/7 [00:18<01:48]\rrelaytune: note: OOM at step 1: redone\n"
+           "relaytune: 24 training rows, global batch 2\n")
+    assert vs_trl.relaytune_notices(log) == [
+        "relaytune: note: compile_checkpoint: off (micro-batch 8 is planned at 15.14 GiB)",
+        "relaytune: speed-ups: FlexAttention; torch.compile on each of 32 decoder layers",
+        "relaytune: note: OOM at step 1: redone"]
