@@ -69,7 +69,8 @@ class AutoChoice:
 
     def load_settings(self) -> dict:
         """The config's fields as the model loads with them: the checkpointing in force, and the
-        checkpoint kept outside the compiled layers where the plan says it would not fit inside."""
+        checkpoint kept outside the compiled layers where the plan says it would not fit inside (which
+        it also tells the user, once per load)."""
         if self.checkpoint_outside:
             notice(f"compile_checkpoint: off ({self.checkpoint_outside})")
             return {"gradient_checkpointing": self.gradient_checkpointing, "compile_checkpoint": False}
