@@ -66,7 +66,8 @@ def package_versions(names=("torch", "transformers", "peft", "bitsandbytes", "tr
 
 
 def build_model(arch: str) -> Path:
-    """Random-init weights of the architecture, saved as safetensors, with a local tokenizer."""
+    """Random-init weights of the architecture (seeded: the same weights on every call on one device type),
+    saved as safetensors, with a local tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = WORK / "models" / arch
@@ -76,6 +77,8 @@ def build_model(arch: str) -> Path:
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.time()
+    # The same weights in every invocation, so that losses can be compared across them (an A/B in two leases).
+    torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     model.save_pretrained(folder)

@@ -1,5 +1,6 @@
 """bench/vs_trl.py's cap search stops relaytune at the first OOM that halved its micro-batch: an OOM
-redone at the same micro-batch (CUDA graphs or the compiled checkpoint given up) still fits."""
+redone at the same micro-batch (CUDA graphs or the compiled checkpoint given up) still fits. Also what
+else its report rests on: TRL's AdamW kernel, relaytune's notices, and one random model per architecture."""
 
 from __future__ import annotations
 
@@ -50,3 +51,18 @@ def test_relaytunes_notes_and_speed_ups_come_back_from_the_childs_log():
         "relaytune: note: compile_checkpoint: off (micro-batch 8 is planned at 15.14 GiB)",
         "relaytune: speed-ups: FlexAttention; torch.compile on each of 32 decoder layers",
         "relaytune: note: OOM at step 1: redone"]
+
+
+def test_the_random_model_has_the_same_weights_in_every_invocation(tmp_path, monkeypatch):
+    """Losses of two invocations (an A/B across leases) can be compared only if both built one model."""
+    import gpu_bench
+    import torch
+    from safetensors.torch import load_file
+
+    weights = []
+    for name in ("one", "two"):
+        monkeypatch.setattr(gpu_bench, "WORK", tmp_path / name)
+        torch.rand(3)  # the global generator moved on, as any earlier work in the process moves it
+        weights.append(load_file(gpu_bench.build_model("tiny") / "model.safetensors"))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
