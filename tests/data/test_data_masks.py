@@ -12,7 +12,6 @@ pipeline: truncation counts, and bad rows quarantined with file:line (exit 2 abo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -245,12 +244,15 @@ def test_template_that_rewrites_earlier_turns_falls_back_to_the_reply_text(tok):
         tokenize({"messages": CONVO}, tok2)
 
 
-@pytest.mark.skipif(not (Path(os.path.expanduser("~/.cache/relaytune/SmolLM2-135M-Instruct")) /
-                         "tokenizer.json").is_file(), reason="SmolLM2 tokenizer not cached here")
 def test_real_smollm2_template_with_default_system_prompt():
+    """The built-in model's own tokenizer and chat template, read from the GGUF that setup installs, so
+    that a fresh machine runs it too (not from the converted model's cache, which only a run makes)."""
     from transformers import AutoTokenizer
 
-    real = AutoTokenizer.from_pretrained(os.path.expanduser("~/.cache/relaytune/SmolLM2-135M-Instruct"))
+    from relaytune.builtin import gguf_path
+
+    gguf = gguf_path()
+    real = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     convo = CONVO[1:]  # no system: the template inserts its own
     ids, labels = tokenize({"messages": convo}, real)
     assert ids == real.apply_chat_template(convo, tokenize=True, return_dict=True)["input_ids"]
