@@ -108,6 +108,8 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
     if system == "relaytune":
         for item in args.relaytune_set or []:
             cmd += ["--relaytune-set", item]
+        if args.relaytune_liger:
+            cmd.append("--relaytune-liger")
     if args.cap_gib:
         cmd += ["--cap-gib", str(args.cap_gib)]
     log = WORK / "vs_trl" / f"{run_dir.name}.log"
@@ -245,6 +247,8 @@ def case_arguments(p: argparse.ArgumentParser) -> None:
                    help="short documents packed to --seq by both systems (TRL: bfd, padding-free)")
     p.add_argument("--relaytune-set", action="append", metavar="KEY=VALUE",
                    help="a relaytune config key for its run (repeatable), e.g. torch_compile=false, attention=sdpa")
+    p.add_argument("--relaytune-liger", action="store_true",
+                   help="relaytune's run with Liger's RMSNorm, RoPE and SwiGLU kernels patched into transformers")
 
 
 def main() -> None:
@@ -328,6 +332,8 @@ def main() -> None:
     header += f"; relaytune adapter_dtype {relaytune_adapter_dtype(args)}"
     if args.relaytune_set:
         header += ", " + ", ".join(args.relaytune_set)
+    if args.relaytune_liger:
+        header += ", with Liger's RMSNorm, RoPE and SwiGLU kernels"
     text = report(args, results, notes, header) + f"- versions: {stack_versions()}\n"
     text += f"<!-- command: python bench/vs_trl.py {' '.join(sys.argv[1:])} ; total {time.time() - t0:.0f}s -->\n"
     publish(text, args.out)

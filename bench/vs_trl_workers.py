@@ -58,7 +58,25 @@ def relaytune_config(args, out: Path) -> dict:
     for item in args.relaytune_set or []:  # A/B of relaytune's own settings, e.g. torch_compile=false
         key, _, value = item.partition("=")
         cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
+    if getattr(args, "relaytune_liger", False):
+        apply_liger_kernels(args.arch)
     return cfg
+
+
+LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2"}
+
+
+def apply_liger_kernels(arch: str) -> None:
+    """`--relaytune-liger`: Liger's RMSNorm, RoPE and SwiGLU kernels patched into transformers' classes of
+    `arch`, so that the relaytune model loaded afterwards runs them (issue 16 asks whether they add
+    anything on top of relaytune's compiled layers). Liger's SwiGLU module still calls the gate, up and
+    down Linear layers, so LoRA keeps them. Its fused linear cross-entropy is left out: relaytune's head
+    computes the loss itself, with the gradient made in forward."""
+    import liger_kernel.transformers as liger
+    from gpu_bench import ARCHS
+
+    patch = getattr(liger, LIGER_PATCHES[ARCHS[arch]["model_type"]])
+    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def halved_micro_batch(oom_event: dict) -> bool:
@@ -140,6 +158,8 @@ def worker_relaytune(args) -> dict:
     res["adapter_dtype"] = cfg["adapter_dtype"]
     if args.relaytune_set:
         res["relaytune_set"] = list(args.relaytune_set)
+    if args.relaytune_liger:
+        res["liger_kernels"] = "rms_norm, rope, swiglu"
     if cuda and steps:
         res["peak_allocated_gib"] = max(r.get("peak_memory_gib", 0) for r in steps)
         res["peak_allocated_incl_final_save_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)

@@ -1,9 +1,11 @@
 """bench/vs_trl.py's cap search stops relaytune at the first OOM that halved its micro-batch: an OOM
 redone at the same micro-batch (CUDA graphs or the compiled checkpoint given up) still fits. Also what
-else its report rests on: TRL's AdamW kernel, relaytune's notices, and one random model per architecture."""
+else its report rests on: TRL's AdamW kernel, relaytune's notices, one random model per architecture, and
+which run gets Liger's kernels (--relaytune-liger)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -66,3 +68,51 @@ def test_the_random_model_has_the_same_weights_in_every_invocation(tmp_path, mon
         weights.append(load_file(gpu_bench.build_model("tiny") / "model.safetensors"))
     assert weights[0].keys() == weights[1].keys()
     assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+
+
+def test_relaytune_liger_patches_the_archs_classes_with_relaytunes_head_kept(monkeypatch, tmp_path):
+    """--relaytune-liger: Liger's RMSNorm, RoPE and SwiGLU for the case's model type, never its fused
+    cross-entropy (relaytune's head computes the loss), and only when asked."""
+    import types
+
+    import vs_trl_workers
+
+    calls = []
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_llama = lambda **kw: calls.append(("llama", kw))
+    fake.apply_liger_kernel_to_qwen2 = lambda **kw: calls.append(("qwen2", kw))
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    parser = argparse.ArgumentParser()
+    vs_trl.case_arguments(parser)
+    cases = [("qwen2.5-3b", []), ("llama-3-8b", ["--relaytune-liger"]), ("qwen2.5-3b", ["--relaytune-liger"])]
+    for arch, flag in cases:
+        args = parser.parse_args(["--arch", arch, *flag])
+        args.model, args.data, args.steps, args.warmup, args.save_steps = "m", "d", 2, 1, 0
+        vs_trl_workers.relaytune_config(args, tmp_path)
+    expected = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    assert calls == [("llama", expected), ("qwen2", expected)]
+
+
+def test_only_relaytunes_worker_is_told_to_run_with_liger(monkeypatch, tmp_path):
+    commands = []
+
+    class Finished:
+        returncode = 0
+
+        def __init__(self, cmd, stdout, **kw):
+            commands.append(cmd)
+            stdout.write(vs_trl.RESULT + json.dumps({"system": cmd[cmd.index("--worker") + 1]}) + "\n")
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(vs_trl, "WORK", tmp_path)
+    monkeypatch.setattr(vs_trl.subprocess, "Popen", Finished)
+    parser = argparse.ArgumentParser()
+    vs_trl.case_arguments(parser)
+    args = parser.parse_args(["--relaytune-liger"])
+    args.steps, args.warmup, args.save_steps, args.cap_gib = 2, 1, 0, 0.0
+    for system in ("relaytune", "trl-liger"):
+        assert vs_trl.spawn(args, system, 4, tmp_path / "model", tmp_path / "data.jsonl")["system"] == system
+    assert ["--relaytune-liger" in cmd for cmd in commands] == [True, False]
