@@ -37,7 +37,8 @@ def _is_oom(e: BaseException) -> bool:
 
 def relaytune_config(args, out: Path) -> dict:
     """relaytune's config for this case, as TRL's arguments are built in worker_trl (also used by
-    step_profile.py)."""
+    step_profile.py). With `--relaytune-liger` it also patches Liger's kernels into transformers
+    (apply_liger_kernels), which must happen before the model loads."""
     import torch
 
     cfg = dict(
