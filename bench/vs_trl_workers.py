@@ -59,7 +59,7 @@ def relaytune_config(args, out: Path) -> dict:
     for item in args.relaytune_set or []:  # A/B of relaytune's own settings, e.g. torch_compile=false
         key, _, value = item.partition("=")
         cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
-    if getattr(args, "relaytune_liger", False):
+    if args.relaytune_liger:
         apply_liger_kernels(args.arch)
     return cfg
 
