@@ -173,7 +173,7 @@ def report(args, clock: StepClock, prof, cuda: bool, device: str, gpu: dict | No
     if args.relaytune_set:
         lines.append("- relaytune settings: " + ", ".join(args.relaytune_set))
     if args.relaytune_liger:
-        lines.append("- with Liger's RMSNorm, RoPE and SwiGLU kernels (--relaytune-liger)")
+        lines.append("- with Liger's kernels: " + ", ".join(args.relaytune_liger) + " (--relaytune-liger)")
     lines.append(f"- versions: {vs_trl.stack_versions()}")
     lines.append(f"<!-- command: python bench/step_profile.py {' '.join(sys.argv[1:])} -->")
     return "\n".join(lines) + "\n"

@@ -52,7 +52,7 @@ sys.path.insert(0, str(HERE))
 import gpu_bench  # noqa: E402  (puts src/ on sys.path and imports relaytune)
 from gpu_bench import ARCHS, WORK, build_model, long_text_data, package_versions  # noqa: E402
 from gpu_power import PowerSampler, describe  # noqa: E402
-from vs_trl_workers import RESULT, halved_micro_batch, relaytune_adapter_dtype, worker  # noqa: E402
+from vs_trl_workers import LIGER_KERNELS, RESULT, halved_micro_batch, liger_kernels, relaytune_adapter_dtype, worker  # noqa: E402
 
 # Extra sizes for quick checks, local to this script (gpu_bench.ARCHS is the same dict object,
 # so build_model knows them too).
@@ -109,7 +109,7 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
         for item in args.relaytune_set or []:
             cmd += ["--relaytune-set", item]
         if args.relaytune_liger:
-            cmd.append("--relaytune-liger")
+            cmd += ["--relaytune-liger", ",".join(args.relaytune_liger)]
     if args.cap_gib:
         cmd += ["--cap-gib", str(args.cap_gib)]
     log = WORK / "vs_trl" / f"{run_dir.name}.log"
@@ -247,8 +247,9 @@ def case_arguments(p: argparse.ArgumentParser) -> None:
                    help="short documents packed to --seq by both systems (TRL: bfd, padding-free)")
     p.add_argument("--relaytune-set", action="append", metavar="KEY=VALUE",
                    help="a relaytune config key for its run (repeatable), e.g. torch_compile=false, attention=sdpa")
-    p.add_argument("--relaytune-liger", action="store_true",
-                   help="relaytune's run with Liger's RMSNorm, RoPE and SwiGLU kernels patched into transformers")
+    p.add_argument("--relaytune-liger", nargs="?", const=",".join(LIGER_KERNELS), type=liger_kernels,
+                   metavar="KERNELS", help="relaytune's run with Liger's kernels patched into transformers: "
+                   "a comma list of " + ", ".join(LIGER_KERNELS) + " (all three when no list is given)")
 
 
 def main() -> None:
@@ -333,7 +334,7 @@ def main() -> None:
     if args.relaytune_set:
         header += ", " + ", ".join(args.relaytune_set)
     if args.relaytune_liger:
-        header += ", with Liger's RMSNorm, RoPE and SwiGLU kernels"
+        header += ", with Liger's kernels: " + ", ".join(args.relaytune_liger)
     text = report(args, results, notes, header) + f"- versions: {stack_versions()}\n"
     text += f"<!-- command: python bench/vs_trl.py {' '.join(sys.argv[1:])} ; total {time.time() - t0:.0f}s -->\n"
     publish(text, args.out)

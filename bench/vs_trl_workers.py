@@ -8,6 +8,7 @@ tokens/s are taken is in vs_trl.py's docstring.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -60,24 +61,34 @@ def relaytune_config(args, out: Path) -> dict:
         key, _, value = item.partition("=")
         cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
     if args.relaytune_liger:
-        apply_liger_kernels(args.arch)
+        apply_liger_kernels(args.arch, args.relaytune_liger)
     return cfg
 
 
 LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2"}
+LIGER_KERNELS = ("rms_norm", "rope", "swiglu")
 
 
-def apply_liger_kernels(arch: str) -> None:
-    """`--relaytune-liger`: Liger's RMSNorm, RoPE and SwiGLU kernels patched into transformers' classes of
-    `arch`, so that the relaytune model loaded afterwards runs them (issue 16 asks whether they add
-    anything on top of relaytune's compiled layers). Liger's SwiGLU module still calls the gate, up and
-    down Linear layers, so LoRA keeps them. Its fused linear cross-entropy is left out: relaytune's head
-    computes the loss itself, with the gradient made in forward."""
+def liger_kernels(text: str) -> tuple[str, ...]:
+    """`--relaytune-liger`'s value: a comma list of LIGER_KERNELS, in their order."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(LIGER_KERNELS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(LIGER_KERNELS)}")
+    return tuple(k for k in LIGER_KERNELS if k in names)
+
+
+def apply_liger_kernels(arch: str, kernels: tuple[str, ...]) -> None:
+    """`--relaytune-liger`: Liger's `kernels` (of RMSNorm, RoPE and SwiGLU) patched into transformers'
+    classes of `arch`, so that the relaytune model loaded afterwards runs them (issue 16 asks whether
+    they add anything on top of relaytune's compiled layers). Liger's SwiGLU module still calls the
+    gate, up and down Linear layers, so LoRA keeps them. Its fused linear cross-entropy is left out:
+    relaytune's head computes the loss itself, with the gradient made in forward."""
     import liger_kernel.transformers as liger
     from gpu_bench import ARCHS
 
     patch = getattr(liger, LIGER_PATCHES[ARCHS[arch]["model_type"]])
-    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    patch(**{k: k in kernels for k in LIGER_KERNELS}, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def halved_micro_batch(oom_event: dict) -> bool:
@@ -160,7 +171,7 @@ def worker_relaytune(args) -> dict:
     if args.relaytune_set:
         res["relaytune_set"] = list(args.relaytune_set)
     if args.relaytune_liger:
-        res["liger_kernels"] = "rms_norm, rope, swiglu"
+        res["liger_kernels"] = ", ".join(args.relaytune_liger)
     if cuda and steps:
         res["peak_allocated_gib"] = max(r.get("peak_memory_gib", 0) for r in steps)
         res["peak_allocated_incl_final_save_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)

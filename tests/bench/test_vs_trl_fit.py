@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -71,8 +73,9 @@ def test_the_random_model_has_the_same_weights_in_every_invocation(tmp_path, mon
 
 
 def test_relaytune_liger_patches_the_archs_classes_with_relaytunes_head_kept(monkeypatch, tmp_path):
-    """--relaytune-liger: Liger's RMSNorm, RoPE and SwiGLU for the case's model type, never its fused
-    cross-entropy (relaytune's head computes the loss), and only when asked."""
+    """--relaytune-liger: Liger's RMSNorm, RoPE and SwiGLU for the case's model type (all three, or the
+    ones listed), never its fused cross-entropy (relaytune's head computes the loss), and only when
+    asked."""
     import types
 
     import vs_trl_workers
@@ -85,13 +88,24 @@ def test_relaytune_liger_patches_the_archs_classes_with_relaytunes_head_kept(mon
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
     parser = argparse.ArgumentParser()
     vs_trl.case_arguments(parser)
-    cases = [("qwen2.5-3b", []), ("llama-3-8b", ["--relaytune-liger"]), ("qwen2.5-3b", ["--relaytune-liger"])]
+    cases = [("qwen2.5-3b", []), ("llama-3-8b", ["--relaytune-liger"]), ("qwen2.5-3b", ["--relaytune-liger"]),
+             ("llama-3-8b", ["--relaytune-liger", "swiglu, rms_norm"])]
     for arch, flag in cases:
         args = parser.parse_args(["--arch", arch, *flag])
         args.model, args.data, args.steps, args.warmup, args.save_steps = "m", "d", 2, 1, 0
         vs_trl_workers.relaytune_config(args, tmp_path)
-    expected = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
-    assert calls == [("llama", expected), ("qwen2", expected)]
+    expected = dict(rms_norm=True, rope=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    assert calls == [("llama", expected), ("qwen2", expected), ("llama", {**expected, "rope": False})]
+
+
+def test_relaytune_liger_names_only_liger_kernels(capsys):
+    parser = argparse.ArgumentParser()
+    vs_trl.case_arguments(parser)
+    assert parser.parse_args(["--relaytune-liger", "rope,rms_norm"]).relaytune_liger == ("rms_norm", "rope")
+    assert parser.parse_args([]).relaytune_liger is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--relaytune-liger", "rope,fused_linear_cross_entropy"])
+    assert "expected a comma list of rms_norm, rope, swiglu" in capsys.readouterr().err
 
 
 def test_only_relaytunes_worker_is_told_to_run_with_liger(monkeypatch, tmp_path):
@@ -111,8 +125,9 @@ def test_only_relaytunes_worker_is_told_to_run_with_liger(monkeypatch, tmp_path)
     monkeypatch.setattr(vs_trl.subprocess, "Popen", Finished)
     parser = argparse.ArgumentParser()
     vs_trl.case_arguments(parser)
-    args = parser.parse_args(["--relaytune-liger"])
+    args = parser.parse_args(["--relaytune-liger", "swiglu"])
     args.steps, args.warmup, args.save_steps, args.cap_gib = 2, 1, 0, 0.0
     for system in ("relaytune", "trl-liger"):
         assert vs_trl.spawn(args, system, 4, tmp_path / "model", tmp_path / "data.jsonl")["system"] == system
+    assert [cmd[cmd.index("--relaytune-liger") + 1] for cmd in commands if "--relaytune-liger" in cmd] == ["swiglu"]
     assert ["--relaytune-liger" in cmd for cmd in commands] == [True, False]
