@@ -192,6 +192,8 @@ def compile_layers(layers: list[torch.nn.Module], cuda_graphs: bool = False,
                **({"triton.cudagraphs": True, "triton.autotune_pointwise": False} if cuda_graphs else {})}
     compiled: dict[object, object] = {}
     inside = functools.partial(_compiled_region, compiled, options) if checkpoint_inside and not cuda_graphs else None
+    if inside is not None:
+        _skip_side_effect_replay()
     for layer in layers:
         current = layer_forward(layer)
         if current.eager not in compiled:
@@ -210,6 +212,19 @@ def _compiled_region(cache: dict, options: dict, forward, checkpoint):
         cache[forward, checkpoint] = torch.compile(functools.partial(_checkpointed, checkpoint, forward),
                                                    options=options)
     return cache[forward, checkpoint]
+
+
+def _skip_side_effect_replay() -> None:
+    """Lets Dynamo trace a checkpoint whose forward has Python side effects, applied once in forward
+    and not replayed in the recompute. transformers 5.25's hub-kernel wrapper (`use_kernelized_func`,
+    with the `kernels` package it requires) sets and resets a context variable in every attention
+    forward. Dynamo refused that inside a checkpoint and ran the whole checkpoint eagerly around a
+    compiled forward, so `compile_checkpoint` silently did nothing (0 graphs compiled, on the CPU).
+    That variable is restored before the forward returns: not replaying it loses nothing."""
+    import torch._dynamo.config as dynamo
+
+    if hasattr(dynamo, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def _checkpointed(checkpoint, forward, layer, *args, **kwargs):
