@@ -23,7 +23,7 @@ from relaytune.data.packing import check_isolation, concat
 from relaytune.data.rows import TokenRow
 from relaytune.layers import decoder_layers, is_compiled
 from relaytune.model import choose_precision, load_model
-from relaytune.training import document_mask, mfu, speedups
+from relaytune.training import document_mask, mfu, speedups, warmup
 from relaytune.training.loss import causal_lm_loss
 
 COMPILE_RTOL = 1e-4  # measured <= 3e-6 (grad norm), 2e-7 (loss)
@@ -252,10 +252,10 @@ def test_packed_steps_of_other_lengths_do_not_recompile(tiny_model, tmp_path, on
     parts = StepParts(model, optimizer, None, choose_precision(cfg), 0, 1.0, width=speedups.batch_width(model, cfg))
     vocab = model.config.vocab_size
     optimizer_step(parts, _packed_rows(vocab, ((7, 12, 5), (20, 4))), 2, 0)
-    before = speedups.compile_stats()
+    before = warmup.compile_stats()
     result = optimizer_step(parts, _packed_rows(vocab, ((30, 9), (50,))), 2, 1)
     assert result.updated
-    assert speedups.compile_stats() == before, "a second length compiled the layer again"
+    assert warmup.compile_stats() == before, "a second length compiled the layer again"
 
 
 def test_a_warm_up_timer_left_before_its_first_step_stays_silent(tiny_model, tmp_path, one_thread, capsys):
@@ -264,7 +264,7 @@ def test_a_warm_up_timer_left_before_its_first_step_stays_silent(tiny_model, tmp
     def model_and_optimizer():
         model = _model(_cfg(tiny_model, tmp_path))
         model.train()
-        timer = speedups.WarmUpTimer.install(model)
+        timer = warmup.WarmUpTimer.install(model)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3), timer
 
     batch = _packed_batch(64)
@@ -283,9 +283,9 @@ def test_isolation_check_compiles_nothing(tiny_model, tmp_path, one_thread):
     """Its tiny inference rows once made Inductor fail on a GPU and leave flex unfused for the run."""
     model = _model(_cfg(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True))
     assert all(is_compiled(layer) for layer in decoder_layers(model))
-    before = speedups.compile_stats()
+    before = warmup.compile_stats()
     assert check_isolation(model) is None
-    assert speedups.compile_stats() == before
+    assert warmup.compile_stats() == before
 
 
 # --- MFU -------------------------------------------------------------------------------------

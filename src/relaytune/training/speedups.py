@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
-import weakref
 
 import torch
 
@@ -39,6 +37,7 @@ from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears, unfused
 from relaytune.log import info, notice, warn
 from relaytune.training import document_mask
 from relaytune.training.cuda_graphs import graphs_decision
+from relaytune.training.warmup import WarmUpTimer
 
 RECOMPILE_LIMIT = 16  # graphs per compiled code object: train/eval x a few shapes; beyond it, eager
 ATTENTION_NAME = "relaytune_flex"
@@ -195,65 +194,6 @@ def configure_dynamo() -> None:
             torch._logging.set_logs(recompiles=True)
         except Exception:  # noqa: BLE001
             pass
-
-
-def compile_stats() -> dict:
-    """Graphs compiled so far (dynamo's counter), for the logs and benchmarks. A recompile adds a
-    graph; dynamo keeps no count of recompiles itself, it logs each with its reason."""
-    try:
-        from torch._dynamo.utils import counters
-
-        return {"graphs": int(counters["stats"].get("unique_graphs", 0))}
-    except Exception:  # noqa: BLE001
-        return {}
-
-
-class WarmUpTimer:
-    """Prints, once, how long the first training step took (the compile warm-up): from the first
-    forward in training mode with gradients to the end of the first optimizer step of this model's
-    parameters (the optimizer hook is process-wide: a timer left by an earlier run in the same
-    process, stopped before its first step, stays silent)."""
-
-    def __init__(self, model):
-        self.model = weakref.ref(model)
-        self.params = {id(p) for p in model.parameters() if p.requires_grad}
-        self.t0: float | None = None
-        self.handles: list = []
-        self.seconds: float | None = None
-
-    @classmethod
-    def install(cls, model) -> WarmUpTimer:
-        timer = cls(model)
-        base = _base(model)  # the decoder runs in every path (the chunked loss calls it directly)
-        decoder = base.get_decoder() if hasattr(base, "get_decoder") else model
-        timer.handles.append(decoder.register_forward_pre_hook(timer._forward))
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        timer.handles.append(register_optimizer_step_post_hook(timer._stepped))
-        model.relaytune_warmup = timer
-        return timer
-
-    def _forward(self, module, args):
-        if self.seconds is not None:
-            # Removed here, not in _stepped: removing a hook while the optimizer iterates over the
-            # process's hooks breaks that iteration when another hook follows it.
-            for h in self.handles:
-                h.remove()
-            self.handles.clear()
-        elif self.t0 is None and module.training and torch.is_grad_enabled():
-            self.t0 = time.perf_counter()
-
-    def _stepped(self, optimizer, args, kwargs):
-        if self.t0 is None or self.seconds is not None or self.model() is None:
-            return
-        if not any(id(p) in self.params for group in optimizer.param_groups for p in group["params"]):
-            return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.seconds = time.perf_counter() - self.t0
-        stats = compile_stats()
-        info(f"torch.compile warm-up: the first step took {self.seconds:.1f}s "
-             f"({stats.get('graphs', '?')} graphs compiled)")
 
 
 # --- document-masked attention -----------------------------------------------------------------

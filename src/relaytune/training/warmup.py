@@ -1,0 +1,109 @@
+"""The compile warm-up, reported once: how long the first training step took, how many graphs it
+compiled, and whether the compiled decoder layers broke their graph.
+
+A graph break splits a compiled layer into pieces with eager code between them. Code patched into
+the model does this (Liger's RoPE did, on an H200: bench/results/vs-trl-h200.md). Inside a compiled
+checkpoint it also makes Dynamo run the whole checkpoint eagerly around the pieces, so the speed-ups
+line's "checkpoint compiled inside" no longer holds. Measured there: the step 18% slower, its peak
+12% lower. Dynamo only logs breaks when asked (TORCH_LOGS=graph_breaks), so the warning says so.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from relaytune.log import info, warn
+
+
+def compile_stats() -> dict:
+    """Graphs compiled so far (dynamo's counter), for the logs and benchmarks. A recompile adds a
+    graph; dynamo keeps no count of recompiles itself, it logs each with its reason."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return {"graphs": int(counters["stats"].get("unique_graphs", 0))}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far in this process, by reason (each reason's first line)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return {}
+    breaks: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        first = str(reason).strip().splitlines()[0] if str(reason).strip() else "no reason given"
+        breaks[first] = breaks.get(first, 0) + int(count)
+    return breaks
+
+
+def new_graph_breaks(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {reason: n - before.get(reason, 0) for reason, n in after.items() if n > before.get(reason, 0)}
+
+
+def graph_break_warning(breaks: dict[str, int]) -> str:
+    count = sum(breaks.values())
+    reasons = "; ".join(f"{reason} ({n}x)" for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:3])
+    return (f"torch.compile: the first step broke the compiled graphs {count} time(s): {reasons}. "
+            "The decoder layers run in pieces with eager code between them, and a checkpoint compiled with "
+            "them runs eagerly around the pieces: slower than whole layers. Code patched into the model "
+            "(another library's kernels) is the usual cause; TORCH_LOGS=graph_breaks shows where")
+
+
+class WarmUpTimer:
+    """Prints, once, how long the first training step took (the compile warm-up): from the first
+    forward in training mode with gradients to the end of the first optimizer step of this model's
+    parameters (the optimizer hook is process-wide: a timer left by an earlier run in the same
+    process, stopped before its first step, stays silent). Warns when that step broke graphs."""
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+        self.params = {id(p) for p in model.parameters() if p.requires_grad}
+        self.t0: float | None = None
+        self.handles: list = []
+        self.seconds: float | None = None
+        self.breaks_before = graph_breaks()
+        self.breaks: dict[str, int] = {}
+
+    @classmethod
+    def install(cls, model) -> WarmUpTimer:
+        timer = cls(model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        # The decoder runs in every path (the chunked loss calls it directly).
+        decoder = base.get_decoder() if hasattr(base, "get_decoder") else model
+        timer.handles.append(decoder.register_forward_pre_hook(timer._forward))
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        timer.handles.append(register_optimizer_step_post_hook(timer._stepped))
+        model.relaytune_warmup = timer
+        return timer
+
+    def _forward(self, module, args):
+        if self.seconds is not None:
+            # Removed here, not in _stepped: removing a hook while the optimizer iterates over the
+            # process's hooks breaks that iteration when another hook follows it.
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+        elif self.t0 is None and module.training and torch.is_grad_enabled():
+            self.t0 = time.perf_counter()
+
+    def _stepped(self, optimizer, args, kwargs):
+        if self.t0 is None or self.seconds is not None or self.model() is None:
+            return
+        if not any(id(p) in self.params for group in optimizer.param_groups for p in group["params"]):
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
+        stats = compile_stats()
+        info(f"torch.compile warm-up: the first step took {self.seconds:.1f}s "
+             f"({stats.get('graphs', '?')} graphs compiled)")
+        self.breaks = new_graph_breaks(self.breaks_before, graph_breaks())
+        if self.breaks:
+            warn(graph_break_warning(self.breaks))

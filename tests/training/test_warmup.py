@@ -1,0 +1,59 @@
+"""The compile warm-up report (training/warmup.py): a graph break in the compiled decoder layers,
+as code patched into the model makes one, is warned about after the first step; whole layers are not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers.models.llama.modeling_llama as llama
+from support.layer_cases import layer_model, loss_and_grads
+
+from relaytune.training import warmup
+
+
+def first_step(model) -> None:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    loss_and_grads(model)
+    optimizer.step()
+
+
+@pytest.mark.slow  # inductor's C++ compile, twice: ~60 s on a 2-core machine
+def test_a_graph_break_in_the_compiled_layers_is_warned_about(tiny_model, tmp_path, one_thread, capsys,
+                                                              monkeypatch):
+    whole = layer_model(tiny_model, tmp_path, gradient_checkpointing=True, torch_compile=True,
+                        compile_checkpoint=True)
+    first_step(whole)
+    assert whole.relaytune_warmup.seconds is not None and whole.relaytune_warmup.breaks == {}
+    assert "broke the compiled graphs" not in capsys.readouterr().err
+
+    rope = llama.apply_rotary_pos_emb
+
+    def patched_rope(*args, **kwargs):  # as a library's RoPE kernel behind a call Dynamo cannot trace
+        torch._dynamo.graph_break()
+        return rope(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", patched_rope)
+    # Dynamo's caches, reset on both sides: the graph compiled above passed its guards with the patch in
+    # place, and after a break Dynamo runs the checkpoint's code eagerly for the rest of the process.
+    torch._dynamo.reset()
+    try:
+        broken = layer_model(tiny_model, tmp_path, gradient_checkpointing=True, torch_compile=True,
+                             compile_checkpoint=True)
+        first_step(broken)
+    finally:
+        monkeypatch.undo()
+        torch._dynamo.reset()
+    err = capsys.readouterr().err
+    assert sum(broken.relaytune_warmup.breaks.values()) >= 1
+    assert "relaytune: warning: torch.compile: the first step broke the compiled graphs" in err
+    assert "a checkpoint compiled with them runs eagerly around the pieces" in err
+    assert "TORCH_LOGS=graph_breaks shows where" in err
+
+
+def test_graph_breaks_are_counted_from_the_timers_start():
+    before = {"Call to `torch._dynamo.graph_break()`": 2, "Unsupported: a variadic call": 1}
+    after = {"Call to `torch._dynamo.graph_break()`": 3, "Unsupported: a variadic call": 1, "Other": 4}
+    assert warmup.new_graph_breaks(before, after) == {"Call to `torch._dynamo.graph_break()`": 1, "Other": 4}
+    text = warmup.graph_break_warning({"Other": 4, "Call to `torch._dynamo.graph_break()`": 1})
+    assert text.startswith("torch.compile: the first step broke the compiled graphs 5 time(s): "
+                           "Other (4x); Call to `torch._dynamo.graph_break()` (1x). ")
