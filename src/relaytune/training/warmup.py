@@ -1,11 +1,17 @@
 """The compile warm-up, reported once: how long the first training step took, how many graphs it
-compiled, and whether the compiled decoder layers broke their graph.
+compiled, and whether the compiled decoder layers broke their graph or failed to compile.
 
 A graph break splits a compiled layer into pieces with eager code between them. Code patched into
 the model does this (Liger's RoPE did, on an H200: bench/results/vs-trl-h200.md). Inside a compiled
 checkpoint it also makes Dynamo run the whole checkpoint eagerly around the pieces, so the speed-ups
 line's "checkpoint compiled inside" no longer holds. Measured there: the step 18% slower, its peak
 12% lower. Dynamo only logs breaks when asked (TORCH_LOGS=graph_breaks), so the warning says so.
+
+A region that fails to compile runs eagerly (relaytune sets `suppress_errors`, so that a compiler bug
+never stops a run). Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1) cannot compile the random
+state a compiled checkpoint saves for its dropouts, so the whole layer ran eagerly: on the CPU, the
+frame was not converted; on an H200 the same setting measured 37% slower. Dynamo prints its error, but
+as a long traceback that reads like a crash, so the warm-up line says what it meant.
 """
 
 from __future__ import annotations
@@ -42,6 +48,16 @@ def graph_breaks() -> dict[str, int]:
     return breaks
 
 
+def failed_frames() -> int:
+    """Frames Dynamo tried to compile and gave up on (run eagerly instead) so far in this process; a
+    frame that only broke its graph counts as compiled."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return 0
+    return int(counters["frames"].get("total", 0)) - int(counters["frames"].get("ok", 0))
+
+
 def new_graph_breaks(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {reason: n - before.get(reason, 0) for reason, n in after.items() if n > before.get(reason, 0)}
 
@@ -55,11 +71,20 @@ def graph_break_warning(breaks: dict[str, int]) -> str:
             "(another library's kernels) is the usual cause; TORCH_LOGS=graph_breaks shows where")
 
 
+def failed_frames_warning(count: int) -> str:
+    return (f"torch.compile: {count} compiled region(s) failed to compile in the first step and run "
+            "eagerly instead (the compiler's error is printed above): the decoder layers in them are not "
+            "compiled, and a checkpoint compiled with them is an eager one. If the error names a setting "
+            "of yours (such as TORCHINDUCTOR_CPP_WRAPPER), unset it; torch_compile: false runs eagerly "
+            "without trying")
+
+
 class WarmUpTimer:
     """Prints, once, how long the first training step took (the compile warm-up): from the first
     forward in training mode with gradients to the end of the first optimizer step of this model's
     parameters (the optimizer hook is process-wide: a timer left by an earlier run in the same
-    process, stopped before its first step, stays silent). Warns when that step broke graphs."""
+    process, stopped before its first step, stays silent). Warns when that step broke graphs or failed
+    to compile some."""
 
     def __init__(self, model):
         self.model = weakref.ref(model)
@@ -69,6 +94,8 @@ class WarmUpTimer:
         self.seconds: float | None = None
         self.breaks_before = graph_breaks()
         self.breaks: dict[str, int] = {}
+        self.failed_before = failed_frames()
+        self.failed = 0
 
     @classmethod
     def install(cls, model) -> WarmUpTimer:
@@ -107,3 +134,6 @@ class WarmUpTimer:
         self.breaks = new_graph_breaks(self.breaks_before, graph_breaks())
         if self.breaks:
             warn(graph_break_warning(self.breaks))
+        self.failed = failed_frames() - self.failed_before
+        if self.failed > 0:
+            warn(failed_frames_warning(self.failed))
