@@ -9,9 +9,9 @@ line's "checkpoint compiled inside" no longer holds. Measured there: the step 18
 
 A region that fails to compile runs eagerly (relaytune sets `suppress_errors`, so that a compiler bug
 never stops a run). Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1) cannot compile the random
-state a compiled checkpoint saves for its dropouts, so the whole layer ran eagerly: on the CPU, the
-frame was not converted; on an H200 the same setting measured 37% slower. Dynamo prints its error, but
-as a long traceback that reads like a crash, so the warm-up line says what it meant.
+state a compiled checkpoint saves for its dropouts, so on the CPU the whole layer ran eagerly (an H200
+run with that setting was 37% slower, most likely for this reason). Dynamo prints its error, but as a
+long traceback that reads like a crash, so the warm-up says what it meant.
 """
 
 from __future__ import annotations
