@@ -218,8 +218,9 @@ def _skip_side_effect_replay() -> None:
     """Lets Dynamo trace a checkpoint whose forward has Python side effects, applied once in forward
     and not replayed in the recompute. transformers' hub-kernel wrapper (`use_kernelized_func`, on
     wherever the `kernels` package is installed, which 5.25 requires) sets and resets a context
-    variable in every attention forward. Dynamo refused that inside a checkpoint and ran the whole checkpoint eagerly around a
-    compiled forward, so `compile_checkpoint` silently did nothing (0 graphs compiled, on the CPU).
+    variable in every attention forward. Dynamo refused that inside a checkpoint and ran the whole
+    checkpoint eagerly around a compiled forward, so `compile_checkpoint` silently did nothing (0 graphs
+    compiled, on the CPU).
     That variable is restored before the forward returns: not replaying it loses nothing."""
     import torch._dynamo.config as dynamo
 
