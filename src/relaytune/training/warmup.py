@@ -24,25 +24,27 @@ import torch
 from relaytune.log import info, warn
 
 
-def compile_stats() -> dict:
-    """Graphs compiled so far (dynamo's counter), for the logs and benchmarks. A recompile adds a
-    graph; dynamo keeps no count of recompiles itself, it logs each with its reason."""
+def _counters():
+    """Dynamo's process-wide counters, or None where this torch has none to read."""
     try:
         from torch._dynamo.utils import counters
 
-        return {"graphs": int(counters["stats"].get("unique_graphs", 0))}
+        return counters
     except Exception:  # noqa: BLE001
-        return {}
+        return None
+
+
+def compile_stats() -> dict:
+    """Graphs compiled so far (dynamo's counter), for the logs and benchmarks. A recompile adds a
+    graph; dynamo keeps no count of recompiles itself, it logs each with its reason."""
+    counters = _counters()
+    return {} if counters is None else {"graphs": int(counters["stats"].get("unique_graphs", 0))}
 
 
 def graph_breaks() -> dict[str, int]:
     """Dynamo's graph breaks so far in this process, by reason (each reason's first line)."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:  # noqa: BLE001
-        return {}
     breaks: dict[str, int] = {}
-    for reason, count in counters["graph_break"].items():
+    for reason, count in (_counters() or {}).get("graph_break", {}).items():
         first = str(reason).strip().splitlines()[0] if str(reason).strip() else "no reason given"
         breaks[first] = breaks.get(first, 0) + int(count)
     return breaks
@@ -51,11 +53,8 @@ def graph_breaks() -> dict[str, int]:
 def failed_frames() -> int:
     """Frames Dynamo tried to compile and gave up on (run eagerly instead) so far in this process; a
     frame that only broke its graph counts as compiled."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:  # noqa: BLE001
-        return 0
-    return int(counters["frames"].get("total", 0)) - int(counters["frames"].get("ok", 0))
+    frames = (_counters() or {}).get("frames", {})
+    return int(frames.get("total", 0)) - int(frames.get("ok", 0))
 
 
 def new_graph_breaks(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
