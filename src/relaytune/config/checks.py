@@ -203,7 +203,9 @@ def _check_cuda_graphs(cfg) -> None:
     """cuda_graphs: true with a setting it cannot run beside (the machine's own limits are notices)."""
     needs = {"torch_compile: true (or auto)": cfg.torch_compile is not False,
              "gradient_checkpointing: true (or auto)": cfg.gradient_checkpointing is not False,
-             "packing: true": cfg.packing, "offload_activations: false": not cfg.offload_activations}
+             "packing: true": cfg.packing, "offload_activations: false": not cfg.offload_activations,
+             "attention: auto, flex or sdpa (varlen's document starts change shape with every batch)":
+                 cfg.attention != "varlen"}
     missing = [name for name, ok in needs.items() if not ok]
     if missing:
         raise ValueError(f"cuda_graphs: true replays the compiled, checkpointed layers on fixed-width packed "

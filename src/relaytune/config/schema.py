@@ -207,13 +207,15 @@ class TrainConfig(BaseModel):
     """Keep a frozen input embedding not tied to the output head in CPU memory; each batch copies only
     its rows to the GPU (the same values). Llama-3-8B's is 0.98 GiB of GPU memory. auto: on for CUDA
     runs when the table is at least 256 MiB, not under FSDP. Changing it on resume is allowed."""
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention for packed batches. flex: FlexAttention with one document mask per batch (packed
-    samples never see each other), on CUDA GPUs of compute capability 7.5+ (a T4 or newer); sdpa:
-    PyTorch's scaled_dot_product_attention. auto: flex on GPUs with Hopper's shared memory per block
-    (H100, H200, B200; measured faster there), sdpa elsewhere (flex's kernels have failed to compile on
-    GPUs with less). Unpacked (padded) batches always keep SDPA. Equal within rounding, so changing it
-    on resume is allowed."""
+    samples never see each other), on CUDA GPUs of compute capability 7.5+ (a T4 or newer); varlen:
+    FlashAttention's variable-length kernel over each batch's documents (torch.nn.attention.varlen),
+    on CUDA GPUs of compute capability 8.0+ (A100, L4, H100) in bf16 or fp16, not with CUDA graphs;
+    sdpa: PyTorch's scaled_dot_product_attention, with a mask of the documents. auto: flex on GPUs
+    with Hopper's shared memory per block (H100, H200, B200; measured faster there), sdpa elsewhere
+    (flex's kernels have failed to compile on GPUs with less). Unpacked (padded) batches always keep
+    SDPA. Equal within rounding, so changing it on resume is allowed."""
     offload_activations: bool = False
     """Keep each checkpointed decoder layer's input in pinned CPU memory, not on the GPU, and copy it
     back when backward recomputes that layer (as Unsloth and torchtune offer). Saves hidden size x 2

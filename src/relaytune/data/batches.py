@@ -101,7 +101,8 @@ def collate(rows: list[TokenRow], pad_id: int, flat: bool = False,
     from those, transformers builds a block-diagonal causal mask (SDPA/eager/flex), so packed
     samples never attend to each other. (It skips that detection when a KV cache is in use:
     training runs with config.use_cache=False.) With `attention: flex` the same position_ids
-    give the document ids (`document_ids`) of one FlexAttention BlockMask per batch instead.
+    give the document ids (`document_ids`) of one FlexAttention BlockMask per batch instead, and
+    with `attention: varlen` where each document starts (training/attention.py).
 
     flat=True lays the whole micro-batch out as one row without padding, the only layout in
     which transformers' flash attention switches to varlen (`packing.flat_layout(model)`).
@@ -129,7 +130,7 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """Which packed sample each position belongs to, from collate's position_ids: a sample starts
     where its positions restart at 0 (the padding after the last sample is a sample of its own,
     with no targets). Same shape as position_ids; computed on its device, with no host sync.
-    The document mask of FlexAttention is built from these (`training/speedups.py`)."""
+    The document mask of FlexAttention is built from these (`training/attention.py`)."""
     return (position_ids == 0).cumsum(-1)
 
 
