@@ -118,6 +118,23 @@ def test_asking_for_varlen_on_the_cpu_trains_with_sdpa_and_says_so(tiny_model, t
             in capsys.readouterr().err)
 
 
+def test_cuda_graphs_auto_gives_way_to_varlen(tiny_model, tmp_path, one_thread, monkeypatch, capsys):
+    """Where auto would replay CUDA graphs (the host bounds the step), varlen keeps them off: the
+    document starts change shape with every batch, and a graph replays one shape."""
+    from relaytune.training import speedups
+
+    varlen_reference.install(monkeypatch)
+    monkeypatch.setattr(attention, "varlen_decision", lambda *a: (True, None))  # the CPU, as a GPU would
+    monkeypatch.setattr(speedups, "graphs_decision", lambda *a, **k: (True, None))  # as auto on a fast GPU
+    cfg = tiny_config(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True,
+                      attention="varlen")
+    model = tiny_lora_model(cfg)
+    assert model.relaytune_speedups == ["FlashAttention's varlen kernel over each packed batch's documents",
+                                        "torch.compile on each of 2 decoder layers"]
+    assert ("cuda_graphs: off (varlen attention's document starts change shape with every batch; graphs "
+            "replay one)") in capsys.readouterr().err
+
+
 # --- a batch's documents ---------------------------------------------------------------------------
 def test_document_ids_follow_position_restarts():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]])

@@ -19,6 +19,7 @@ safe: whatever cannot run here is left off with a notice, never a crash.
 On the CPU both default to off. torch_compile: true works there (inductor C++); neither attention
 kernel trains there, so packed batches keep SDPA.
 """
+
 from __future__ import annotations
 
 import os
