@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 CALLS: list[dict] = []  # what each eager call was handed, newest last
+DTYPES: list = []  # the dtype of each eager call's tensors
 
 
 @torch.library.custom_op("relaytune_tests::varlen_attention", mutates_args=())
@@ -98,6 +99,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=No
         lengths = torch.diff(cu_seq_q)
         assert int(cu_seq_q[-1]) == query.shape[0] and int(lengths.max()) <= max_q
         CALLS.append({"starts": cu_seq_q.tolist(), "max": max_q, "gqa": enable_gqa, "heads": key.shape[1]})
+        DTYPES.append(query.dtype)
     return _attend(query, key, value, cu_seq_q, query.shape[-1] ** -0.5 if scale is None else scale)
 
 
@@ -110,3 +112,4 @@ def install(monkeypatch, gqa: bool = True, causal: dict | None = None, scale: bo
     options = {"causal": causal or {"window_size": (-1, 0)}, "gqa": gqa, "scale": scale}
     monkeypatch.setattr(attention, "_VARLEN_OPTIONS", options)
     CALLS.clear()
+    DTYPES.clear()

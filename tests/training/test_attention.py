@@ -283,18 +283,36 @@ def test_varlen_equals_sdpa_on_a_packed_batch_and_keeps_samples_apart(tiny_model
     _assert_close(varlen, _loss_and_grads(model, other))
 
 
-@pytest.mark.slow  # one inductor C++ compile: ~15 s on a 2-core machine
+def test_float32_tensors_reach_the_kernel_in_the_runs_compute_dtype(monkeypatch):
+    """FlashAttention takes bf16 or fp16: under autocast, float32 query, key and value (an fp32 layer
+    norm's output, say) go in autocast's dtype, and the output comes back in theirs."""
+    varlen_reference.install(monkeypatch)
+    q, k, v = (torch.randn(2, heads, 8, 16) for heads in (4, 2, 2))
+    starts = attention.document_starts(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]]))
+    mask = starts.view(1, 1, 1, -1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention.varlen_or_sdpa_attention(None, q, k, v, mask, scaling=0.25)
+    assert varlen_reference.DTYPES == [torch.bfloat16] and out.dtype == torch.float32
+    plain, _ = attention.varlen_or_sdpa_attention(None, q, k, v, mask, scaling=0.25)
+    assert varlen_reference.DTYPES[-1] == torch.float32 and out.shape == plain.shape == (2, 8, 4, 16)
+    assert torch.allclose(out, plain, atol=3e-2), "the same attention, rounded to bf16"
+
+
+@pytest.mark.slow  # one inductor C++ compile each: ~15 s on a 2-core machine
+@pytest.mark.parametrize("checkpoint_inside", [False, True], ids=["checkpoint outside", "checkpoint compiled inside"])
 def test_compiled_layers_take_every_count_of_documents_in_one_graph(tiny_model, tmp_path, one_thread,
-                                                                    monkeypatch):
+                                                                    monkeypatch, checkpoint_inside):
     """The count of documents changes every batch; the compiled layers neither recompile nor break
-    their graph for it, and give the eager loss and gradients."""
+    their graph for it, and give the eager loss and gradients, with the checkpoint outside the
+    compiled layer or compiled with it (as on Llama-3-8B on a GPU)."""
     varlen_reference.install(monkeypatch)
     monkeypatch.setattr(attention, "varlen_decision", lambda *a: (True, None))  # the CPU, as a GPU would
     cfg = tiny_config(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True,
-                      attention="varlen", max_seq_length=32)
+                      attention="varlen", max_seq_length=32, compile_checkpoint=checkpoint_inside)
     torch._dynamo.reset()
     model = tiny_lora_model(cfg)
     assert model.relaytune_speedups[0] == "FlashAttention's varlen kernel over each packed batch's documents"
+    assert model.relaytune_speedups[1].endswith(", checkpoint compiled inside") == checkpoint_inside
     assert all(is_compiled(layer) for layer in decoder_layers(model))
     model.train()
     eager = tiny_lora_model(cfg.model_copy(update={"torch_compile": False}))
@@ -302,15 +320,15 @@ def test_compiled_layers_take_every_count_of_documents_in_one_graph(tiny_model, 
     vocab = model.config.vocab_size
     batches = [packed_batch(vocab, segments, width=32) for segments in
                (((7, 12, 5), (20, 4), (9,)), ((3, 3, 3, 3), (30,), (2,) * 6), ((16, 16), (31,), (10, 10, 10)))]
-    counts = set()
+    counts, before, breaks = set(), warmup.compile_stats(), warmup.graph_breaks()  # dynamo counts per process
     for i, batch in enumerate(batches):
         _assert_close(_loss_and_grads(model, batch), _loss_and_grads(eager, batch))
         counts.add(len(attention.document_starts(batch["position_ids"])))
         if i == 0:
             after_first = warmup.compile_stats()
     assert len(counts) == 3
-    assert after_first["graphs"] == 1 and warmup.compile_stats() == after_first
-    assert warmup.graph_breaks() == {}
+    assert after_first["graphs"] == before["graphs"] + 1 and warmup.compile_stats() == after_first
+    assert warmup.new_graph_breaks(breaks, warmup.graph_breaks()) == {}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled layers + document-masked kernels train on GPUs")

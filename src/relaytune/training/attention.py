@@ -241,6 +241,10 @@ def varlen_or_sdpa_attention(module, query, key, value, attention_mask, scaling=
         return t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3])
 
     q, k, v = end_to_end(query), end_to_end(key), end_to_end(value)
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
+        # FlashAttention takes bf16 or fp16 only; a float32 tensor here (an fp32 layer norm's output,
+        # outside a matmul) goes in the run's compute dtype, as transformers' flash path does.
+        q, k, v = (t.to(torch.get_autocast_dtype(q.device.type)) for t in (q, k, v))
     options = dict(_VARLEN_OPTIONS["causal"])
     if scaling is not None and _VARLEN_OPTIONS["scale"]:
         options["scale"] = scaling
@@ -252,7 +256,7 @@ def varlen_or_sdpa_attention(module, query, key, value, attention_mask, scaling=
         else:  # a torch whose varlen_attn wants as many key heads as query heads
             k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     out = _varlen_attn(q, k, v, starts, starts, length, length, **options)
-    return out.view(batch, length, heads, out.shape[-1]), None
+    return out.view(batch, length, heads, out.shape[-1]).to(query.dtype), None
 
 
 def _flex(cuda: bool):
