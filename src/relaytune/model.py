@@ -188,6 +188,7 @@ def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None =
         for param in model.parameters():
             if param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
+    inputs_require_grad(model)
     from relaytune.training.speedups import apply_speedups  # compile, flex attention: off on the CPU by default
 
     apply_speedups(model, cfg, precision)
@@ -203,13 +204,35 @@ def enable_checkpointing(model, offload: bool = False) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
-    base.enable_input_require_grads()
+    inputs_require_grad(base)
     if offload:
         for module in base.modules():
             checkpoint = getattr(module, "_gradient_checkpointing_func", None)
             if checkpoint is not None:
                 module._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, checkpoint)
     take_over_checkpointing(base)  # outside the compiled region of a compiled layer
+
+
+def inputs_require_grad(model) -> None:
+    """The input embedding's output requires grad in training, so that checkpointed layers and the
+    adapters before the first one get gradients; under no_grad (evaluation) it stays a plain tensor.
+    transformers' and PEFT's hooks for this (`make_inputs_require_grads`, one per call, added again
+    by get_peft_model) set it under no_grad too, and then a compiled layer sees an input that requires
+    grad at the first layer only: evaluation compiled each layer's graph twice over. Theirs are
+    replaced by one that asks torch whether grad is on."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embedding = base.get_input_embeddings()
+    for key, hook in list(embedding._forward_hooks.items()):
+        if getattr(hook, "__name__", "") in ("make_inputs_require_grads", "make_inputs_require_grad"):
+            del embedding._forward_hooks[key]
+    if not getattr(embedding, "_relaytune_inputs_require_grad", False):
+        embedding.register_forward_hook(_require_grad_with_grad_on)
+        embedding._relaytune_inputs_require_grad = True
+
+
+def _require_grad_with_grad_on(module, args, output):
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
 
 
 def offloaded_checkpoint(checkpoint, function, *args, **kwargs):

@@ -18,7 +18,7 @@ from relaytune.data.batches import collate, document_ids
 from relaytune.data.packing import check_isolation
 from relaytune.layers import decoder_layers, is_compiled
 from relaytune.model import choose_precision
-from relaytune.training import mfu, speedups, warmup
+from relaytune.training import evaluation, mfu, speedups, warmup
 from relaytune.training.loss import causal_lm_loss
 
 COMPILE_RTOL = 1e-4  # measured <= 3e-6 (grad norm), 2e-7 (loss)
@@ -112,6 +112,63 @@ def test_packed_steps_of_other_lengths_do_not_recompile(tiny_model, tmp_path, on
     result = optimizer_step(parts, packed_rows(vocab, ((30, 9), (50,))), 2, 1)
     assert result.updated
     assert warmup.compile_stats() == before, "a second length compiled the layer again"
+
+
+def test_packed_evaluation_of_compiled_layers_has_one_shape_and_the_same_loss(tiny_model, tmp_path, one_thread,
+                                                                              monkeypatch):
+    """With a width (compiled layers, packed rows), evaluation pads every micro-batch to it and fills
+    the last one with rows of padding alone; its loss and target count are those of the plain batches."""
+    model = tiny_lora_model(tiny_config(tiny_model, tmp_path, packing=True))
+    rows = packed_rows(model.config.vocab_size, ((7, 12, 5), (20, 4), (9,), (30,), (3, 3)))
+    precision = choose_precision(tiny_config(tiny_model, tmp_path))
+    plain = evaluation.eval_loss(model, rows, 2, 0, precision)
+    shapes = []
+    real = evaluation.to_device
+    monkeypatch.setattr(evaluation, "to_device", lambda batch, device: shapes.append(
+        tuple(batch["input_ids"].shape)) or real(batch, device))
+    padded = evaluation.eval_loss(model, rows, 2, 0, precision, width=64)
+    assert shapes == [(2, 64)] * 3, "five rows and one of padding alone"
+    assert padded[1] == plain[1] and padded[0] == pytest.approx(plain[0], rel=1e-6)
+
+
+def test_only_a_forward_with_grad_makes_the_first_layer_input_require_grad(tiny_model, tmp_path, one_thread):
+    """transformers' and PEFT's hooks (one per call) set requires_grad under no_grad too; relaytune's
+    one hook does not, so no-grad evaluation gives compiled layers the same input at every depth."""
+    model = tiny_lora_model(tiny_config(tiny_model, tmp_path, gradient_checkpointing=True))
+    embedding = model.get_base_model().get_input_embeddings()
+    assert [h.__name__ for h in embedding._forward_hooks.values()] == ["_require_grad_with_grad_on"]
+    ids = torch.tensor([[5, 6, 7]])
+    assert embedding(ids).requires_grad
+    with torch.no_grad():
+        assert not embedding(ids).requires_grad
+
+
+@pytest.mark.slow  # two inductor C++ compiles: ~20 s on a 2-core machine
+def test_evaluations_of_a_compiled_packed_run_compile_the_layers_once(tiny_model, tmp_path, one_thread,
+                                                                      monkeypatch):
+    """The first evaluation adds one graph (no grad); later ones add none. Before, the first added
+    four: the first layer's input required grad under no_grad, and the last micro-batch was smaller."""
+    from support.run_helpers import chat_rows, make_config, write_jsonl
+
+    from relaytune import train
+    from relaytune.training import trainer
+
+    data = write_jsonl(tmp_path / "data.jsonl", chat_rows(120))
+    cfg = make_config(tmp_path, tiny_model, data, packing=True, torch_compile=True, max_seq_length=256,
+                      gradient_checkpointing=True, val_set_size=0.3, eval_steps=2, max_steps=6,
+                      per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    added = []
+
+    def counted(*args, **kwargs):
+        before = warmup.compile_stats()["graphs"]
+        out = evaluation.eval_loss(*args, **kwargs)
+        added.append(warmup.compile_stats()["graphs"] - before)
+        return out
+
+    monkeypatch.setattr(trainer, "eval_loss", counted)
+    torch._dynamo.reset()
+    train(str(cfg))
+    assert added == [1, 0, 0]
 
 
 def test_a_warm_up_timer_left_before_its_first_step_stays_silent(tiny_model, tmp_path, one_thread, capsys):

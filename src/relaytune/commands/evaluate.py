@@ -67,6 +67,7 @@ def evaluate_run(run: str | Path, checkpoints: str | None = None, data: str | No
                  config: str | None = None, include_base: bool = True) -> list[EvalResult]:
     """Evaluate the chosen adapters (default: all committed, and final), using the cache."""
     from relaytune.training.evaluation import eval_loss  # torch: imported only to evaluate
+    from relaytune.training.speedups import batch_width
 
     out = run_dir(run)
     cfg = run_config(out, config)
@@ -98,11 +99,11 @@ def evaluate_run(run: str | Path, checkpoints: str | None = None, data: str | No
         if ref is None:
             with model.disable_adapter():
                 loss, tokens = eval_loss(model, rows, cfg.micro_batch_hint,
-                                         tokenizer.pad_token_id, precision)
+                                         tokenizer.pad_token_id, precision, batch_width(model, cfg))
         else:
             put_adapter(model, ref)
             loss, tokens = eval_loss(model, rows, cfg.micro_batch_hint,
-                                     tokenizer.pad_token_id, precision)
+                                     tokenizer.pad_token_id, precision, batch_width(model, cfg))
         cache[key] = {"eval_loss": loss, "tokens": tokens, "name": name, "time": time.time()}
         _write_cache(out, cache)  # after each one: an interrupted eval keeps what it finished
         results.append(EvalResult(name, step, loss, tokens))

@@ -321,7 +321,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Token-weighted mean loss over the eval rows. Uses no RNG (dropout is off)."""
         value, _ = eval_loss(self.live.model, self.data.eval, self.recovery.micro_batch_size,
-                             self.tokenizer.pad_token_id, self.precision)
+                             self.tokenizer.pad_token_id, self.precision, batch_width(self.live.model, self.cfg))
         self.live.model.train()
         s = self.state
         s.last_eval_loss = value
