@@ -221,7 +221,10 @@ def inputs_require_grad(model) -> None:
     grad at the first layer only: evaluation compiled each layer's graph twice over. Theirs are
     replaced by one that asks torch whether grad is on."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    embedding = base.get_input_embeddings()
+    try:
+        embedding = base.get_input_embeddings()
+    except NotImplementedError:  # no input embedding exposed: transformers warned already
+        return
     for key, hook in list(embedding._forward_hooks.items()):
         if getattr(hook, "__name__", "") in ("make_inputs_require_grads", "make_inputs_require_grad"):
             del embedding._forward_hooks[key]
