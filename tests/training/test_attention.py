@@ -331,35 +331,66 @@ def test_compiled_layers_take_every_count_of_documents_in_one_graph(tiny_model, 
     assert warmup.new_graph_breaks(breaks, warmup.graph_breaks()) == {}
 
 
+DIFFERENT_BATCHES = (((7, 12, 5), (20, 4), (9,)), ((3, 3, 3, 3, 20), (30,), (2,) * 6),
+                     ((16, 16), (31,), (10, 10, 10)), ((5, 27), (8, 8, 8, 8), (1, 30)), ((32,), (4, 28), (11, 11, 10)))
+
+
+def _cuda_losses_and_gradients(tiny_model, tmp_path, dtype, **settings) -> tuple[list[str], list]:
+    """(speed-ups applied, [(loss, the adapters' gradients as one fp32 vector)] per batch of DIFFERENT_BATCHES),
+    all at the same weights: no optimizer step between the batches, so that rounding does not compound
+    (in a 5-step AdamW trajectory at lr 1e-2 in bf16, compiled flex without CUDA graphs already drifted
+    9% from eager in gradient norm by the fifth step on an H200, with every loss within 0.1%)."""
+    cfg = tiny_config(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, max_seq_length=32,
+                      bf16=dtype == torch.bfloat16, **settings)
+    torch._dynamo.reset()
+    model = tiny_lora_model(cfg)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for segments in DIFFERENT_BATCHES:
+        batch = {k: v.cuda() for k, v in packed_batch(model.config.vocab_size, segments, width=32).items()}
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss = causal_lm_loss(model, batch, target_count(batch))
+        loss.backward()
+        out.append((loss.item(), torch.cat([p.grad.float().flatten() for p in params])))
+        model.zero_grad(set_to_none=True)
+    return model.relaytune_speedups, out
+
+
+def _assert_same_per_batch(got, want, loss_rtol: float, grad_rtol: float) -> None:
+    for i, ((l1, g1), (l2, g2)) in enumerate(zip(want, got)):
+        assert l2 == pytest.approx(l1, rel=loss_rtol), f"batch {i}"
+        error = float(torch.linalg.vector_norm(g2 - g1) / torch.linalg.vector_norm(g1))
+        assert error <= grad_rtol, f"batch {i}: gradients {error:.4f} off (relative)"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled layers + document-masked kernels train on GPUs")
 @pytest.mark.parametrize("kind", ["flex", "varlen"])
-@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_cuda_compiled_document_attention_matches_eager_sdpa(tiny_model, tmp_path, dtype, rtol, kind):
-    """On the GPU: eager SDPA vs compiled layers + the kernel itself, 3 AdamW steps."""
+    """On the GPU: eager SDPA vs compiled layers + the kernel itself, loss and gradients of 5 different
+    packed batches of one width. In bf16, `cuda_graphs: auto` turns CUDA graphs on for these tiny layers
+    (not beside varlen): they warm up on the first batch, record on the second and replay on the rest,
+    on new document ids each time. The bf16 gradient tolerance is not yet measured in this form."""
     if kind == "varlen" and (dtype == torch.float32 or torch.cuda.get_device_capability() < (8, 0)):
         pytest.skip("FlashAttention needs sm_80+ and bf16 or fp16")
-
-    def trajectory(**settings):
-        cfg = tiny_config(tiny_model, tmp_path, packing=True, gradient_checkpointing=True,
-                          bf16=dtype == torch.bfloat16, **settings)
-        model = tiny_lora_model(cfg)
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-2)
-        batch = {k: v.cuda() for k, v in packed_batch(model.config.vocab_size).items()}
-        out = []
-        for _ in range(3):
-            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-                loss = causal_lm_loss(model, batch, target_count(batch))
-            loss.backward()
-            out.append((loss.item(), torch.nn.utils.clip_grad_norm_(params, 1.0).item()))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model.relaytune_speedups, out
-
-    applied, eager = trajectory(torch_compile=False, attention="sdpa")
+    applied, eager = _cuda_losses_and_gradients(tiny_model, tmp_path, dtype, torch_compile=False, attention="sdpa")
     assert applied == []
-    applied, fast = trajectory(torch_compile=True, attention=kind)
+    applied, fast = _cuda_losses_and_gradients(tiny_model, tmp_path, dtype, torch_compile=True, attention=kind)
     assert len(applied) == 2, applied
-    for (l1, g1), (l2, g2) in zip(eager, fast):
-        assert l2 == pytest.approx(l1, rel=rtol) and g2 == pytest.approx(g1, rel=rtol)
+    _assert_same_per_batch(fast, eager, loss_rtol=rtol, grad_rtol=rtol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs replay on CUDA GPUs")
+def test_cuda_graphs_replay_flex_on_each_batch_s_documents(tiny_model, tmp_path):
+    """The same compiled flex layers with and without CUDA graphs give the same loss and gradients on
+    batches whose documents differ: a replay reads this batch's document mask, not the recorded one.
+    (In a trajectory the graphs' run drifted furthest from eager, 20% in gradient norm by the fifth
+    step against 9% without them; this separates a wrong mask from rounding.) Tolerances not yet measured."""
+    applied, plain = _cuda_losses_and_gradients(tiny_model, tmp_path, torch.bfloat16, torch_compile=True,
+                                                attention="flex", cuda_graphs=False)
+    assert not applied[1].endswith("CUDA graphs"), applied
+    applied, graphed = _cuda_losses_and_gradients(tiny_model, tmp_path, torch.bfloat16, torch_compile=True,
+                                                  attention="flex", cuda_graphs=True)
+    assert applied[1].endswith(", CUDA graphs"), applied
+    _assert_same_per_batch(graphed, plain, loss_rtol=1e-3, grad_rtol=1e-2)
