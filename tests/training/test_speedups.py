@@ -145,9 +145,9 @@ def test_only_a_forward_with_grad_makes_the_first_layer_input_require_grad(tiny_
 
 @pytest.mark.slow  # two inductor C++ compiles: ~20 s on a 2-core machine
 def test_evaluations_of_a_compiled_packed_run_compile_the_layers_once(tiny_model, tmp_path, one_thread,
-                                                                      monkeypatch):
-    """The first evaluation adds one graph (no grad); later ones add none. Before, the first added
-    four: the first layer's input required grad under no_grad, and the last micro-batch was smaller."""
+                                                                      monkeypatch, capsys):
+    """The first evaluation adds one graph (no grad), and says so; later ones add none. Before, the first
+    added four: the first layer's input required grad under no_grad, and the last micro-batch was smaller."""
     from support.run_helpers import chat_rows, make_config, write_jsonl
 
     from relaytune import train
@@ -169,6 +169,10 @@ def test_evaluations_of_a_compiled_packed_run_compile_the_layers_once(tiny_model
     torch._dynamo.reset()
     train(str(cfg))
     assert added == [1, 0, 0]
+    said = [line for line in capsys.readouterr().err.splitlines() if "this evaluation compiled" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "relaytune: torch.compile: this evaluation compiled 1 graph(s) for its no-grad forwards and took "), said
+    assert said[0].endswith("s; later evaluations reuse them")
 
 
 def test_a_warm_up_timer_left_before_its_first_step_stays_silent(tiny_model, tmp_path, one_thread, capsys):
