@@ -196,6 +196,22 @@ def test_a_warm_up_timer_left_before_its_first_step_stays_silent(tiny_model, tmp
     assert timer.handles == [], "its hooks went at the next forward, after the step"
 
 
+def test_the_warm_up_counts_this_runs_graphs_not_the_processs(tiny_model, tmp_path, one_thread, capsys,
+                                                             monkeypatch):
+    """Dynamo's graph counter is the process's: in a notebook, a second run that compiled 2 graphs on
+    top of an earlier run's 5 says 2."""
+    counter = iter([{"graphs": 5}, {"graphs": 7}])
+    monkeypatch.setattr(warmup, "compile_stats", lambda: next(counter))
+    model = tiny_lora_model(tiny_config(tiny_model, tmp_path))
+    model.train()
+    warmup.WarmUpTimer.install(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    causal_lm_loss(model, packed_batch(64), 10).backward()
+    optimizer.step()
+    said = [line for line in capsys.readouterr().err.splitlines() if "torch.compile warm-up" in line]
+    assert len(said) == 1 and said[0].endswith("s (2 graphs compiled)"), said
+
+
 def test_isolation_check_compiles_nothing(tiny_model, tmp_path, one_thread):
     """Its tiny inference rows once made Inductor fail on a GPU and leave flex unfused for the run."""
     cfg = tiny_config(tiny_model, tmp_path, packing=True, gradient_checkpointing=True, torch_compile=True)

@@ -95,6 +95,9 @@ class WarmUpTimer:
         self.breaks: dict[str, int] = {}
         self.failed_before = failed_frames()
         self.failed = 0
+        # Dynamo's counters are the process's and survive torch._dynamo.reset(): a notebook's second
+        # run would otherwise report the first run's graphs as its own.
+        self.graphs_before = compile_stats().get("graphs")
 
     @classmethod
     def install(cls, model) -> WarmUpTimer:
@@ -127,9 +130,9 @@ class WarmUpTimer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self.t0
-        stats = compile_stats()
-        info(f"torch.compile warm-up: the first step took {self.seconds:.1f}s "
-             f"({stats.get('graphs', '?')} graphs compiled)")
+        graphs = compile_stats().get("graphs")
+        compiled = "?" if graphs is None or self.graphs_before is None else graphs - self.graphs_before
+        info(f"torch.compile warm-up: the first step took {self.seconds:.1f}s ({compiled} graphs compiled)")
         self.breaks = new_graph_breaks(self.breaks_before, graph_breaks())
         if self.breaks:
             warn(graph_break_warning(self.breaks))
