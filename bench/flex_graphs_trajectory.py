@@ -21,13 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 import torch  # noqa: E402
-from support.packed_cases import packed_batch, target_count, tiny_config, tiny_lora_model  # noqa: E402
+from support.packed_cases import (  # noqa: E402
+    DIFFERENT_BATCHES,
+    packed_batch,
+    target_count,
+    tiny_config,
+    tiny_lora_model,
+)
 
 from relaytune.tiny import make_tiny_model  # noqa: E402
 from relaytune.training.loss import causal_lm_loss  # noqa: E402
 
-BATCHES = [((7, 12, 5), (20, 4), (9,)), ((3, 3, 3, 3, 20), (30,), (2,) * 6), ((16, 16), (31,), (10, 10, 10)),
-           ((5, 27), (8, 8, 8, 8), (1, 30)), ((32,), (4, 28), (11, 11, 10))]
 PATHS = {"eager sdpa": dict(torch_compile=False, attention="sdpa"),
          "compiled flex, graphs off": dict(torch_compile=True, attention="flex", cuda_graphs=False),
          "compiled flex, graphs on": dict(torch_compile=True, attention="flex", cuda_graphs=True)}
@@ -42,7 +46,7 @@ def trajectory(model_dir: Path, work: Path, steps: int, lr: float, **settings) -
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     out = []
-    for segments in (BATCHES * steps)[:steps]:
+    for segments in (DIFFERENT_BATCHES * steps)[:steps]:
         batch = {k: v.cuda() for k, v in packed_batch(model.config.vocab_size, segments, width=32).items()}
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = causal_lm_loss(model, batch, target_count(batch))

@@ -13,6 +13,10 @@ from relaytune.data.packing import concat
 from relaytune.data.rows import TokenRow
 from relaytune.model import choose_precision, load_model
 
+# Packed batches of width 32 whose documents differ from one to the next (each row's sample lengths).
+DIFFERENT_BATCHES = (((7, 12, 5), (20, 4), (9,)), ((3, 3, 3, 3, 20), (30,), (2,) * 6),
+                     ((16, 16), (31,), (10, 10, 10)), ((5, 27), (8, 8, 8, 8), (1, 30)), ((32,), (4, 28), (11, 11, 10)))
+
 
 def tiny_config(tiny_model, tmp_path, **kw) -> TrainConfig:
     return TrainConfig(model=str(tiny_model), dataset="unused.jsonl", output_dir=str(tmp_path / "run"),

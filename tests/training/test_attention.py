@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from support import varlen_reference
-from support.packed_cases import packed_batch, target_count, tiny_config, tiny_lora_model
+from support.packed_cases import DIFFERENT_BATCHES, packed_batch, target_count, tiny_config, tiny_lora_model
 from support.run_helpers import make_config
 from transformers import masking_utils
 
@@ -329,10 +329,6 @@ def test_compiled_layers_take_every_count_of_documents_in_one_graph(tiny_model, 
     assert len(counts) == 3
     assert after_first["graphs"] == before["graphs"] + 1 and warmup.compile_stats() == after_first
     assert warmup.new_graph_breaks(breaks, warmup.graph_breaks()) == {}
-
-
-DIFFERENT_BATCHES = (((7, 12, 5), (20, 4), (9,)), ((3, 3, 3, 3, 20), (30,), (2,) * 6),
-                     ((16, 16), (31,), (10, 10, 10)), ((5, 27), (8, 8, 8, 8), (1, 30)), ((32,), (4, 28), (11, 11, 10)))
 
 
 def _cuda_losses_and_gradients(tiny_model, tmp_path, dtype, **settings) -> tuple[list[str], list]:
