@@ -89,3 +89,43 @@ def test_graph_breaks_are_counted_from_the_timers_start():
     text = warmup.graph_break_warning({"Other": 4, "Call to `torch._dynamo.graph_break()`": 1})
     assert text.startswith("torch.compile: the first step broke the compiled graphs 5 time(s): "
                            "Other (4x); Call to `torch._dynamo.graph_break()` (1x). ")
+
+
+def test_a_run_after_a_failed_compile_in_the_same_process_compiles_afresh(tiny_model, tmp_path, one_thread, capsys,
+                                                                         monkeypatch):
+    """Dynamo remembers a frame that failed to compile for the whole process: without the clean start, a
+    notebook's next run compiled 0 graphs and ran eagerly, silently. The failure is injected where
+    Inductor's own errors come from (its compile_fx, which the `inductor` backend calls); the later
+    runs compile with a backend that returns the traced graph, so no C++ compiler runs."""
+    import torch._inductor.compile_fx as inductor
+
+    def failing_compile(*args, **kwargs):
+        raise RuntimeError("injected Inductor failure")
+
+    def traced_graph(graph_module, example_inputs, **kwargs):
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    try:
+        monkeypatch.setattr(inductor, "compile_fx", failing_compile)
+        failed = layer_model(tiny_model, tmp_path / "failed", torch_compile=True)
+        first_step(failed)
+        assert failed.relaytune_warmup.failed >= 1 and failed.relaytune_warmup.graphs == 0
+        capsys.readouterr()
+        monkeypatch.setattr(inductor, "compile_fx", traced_graph)
+        afresh = layer_model(tiny_model, tmp_path / "afresh", torch_compile=True)
+        first_step(afresh)
+        err = capsys.readouterr().err
+        again = layer_model(tiny_model, tmp_path / "again", torch_compile=True)
+        first_step(again)
+        err_again = capsys.readouterr().err
+    finally:
+        monkeypatch.undo()
+        torch._dynamo.reset()
+    assert afresh.relaytune_warmup.graphs >= 1 and afresh.relaytune_warmup.failed == 0
+    assert ("relaytune: note: torch.compile: an earlier compile in this process failed or broke its graph "
+            f"({failed.relaytune_warmup.failed} region(s)); Dynamo would run those regions eagerly from now on "
+            "without trying again, so its caches were cleared and this run compiles afresh") in err
+    assert "(0 graphs compiled)" not in err and "warning" not in err
+    # A run after whole compiles keeps the graphs: the same architecture reuses them.
+    assert again.relaytune_warmup.graphs == 0 and "compiles afresh" not in err_again

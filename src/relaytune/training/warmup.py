@@ -12,6 +12,10 @@ never stops a run). Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1) cannot 
 state a compiled checkpoint saves for its dropouts, so on the CPU the whole layer ran eagerly (an H200
 run with that setting was 37% slower, most likely for this reason). Dynamo prints its error, but as a
 long traceback that reads like a crash, so the warm-up says what it meant.
+
+Dynamo remembers a region that failed, or broke its graph inside a checkpoint, for the whole process:
+a notebook's next run would run it eagerly without trying again and without a warning (seen on the
+CPU: 0 graphs compiled). So a run starts from clean caches after such an earlier run (start_clean).
 """
 
 from __future__ import annotations
@@ -78,6 +82,28 @@ def failed_frames_warning(count: int) -> str:
             "without trying")
 
 
+_clean_start = {"failed": 0, "breaks": 0}  # the counters when this process's caches were last cleared
+
+
+def start_clean() -> int:
+    """Clears Dynamo's caches when a region failed to compile or broke its graph since they were last
+    cleared here, so this run tries every region afresh; returns how many did (0: nothing cleared).
+    Graphs that compiled whole are kept otherwise: a later run of the same architecture reuses them."""
+    failed, breaks = failed_frames(), sum(graph_breaks().values())
+    since = failed - _clean_start["failed"] + breaks - _clean_start["breaks"]
+    if since <= 0:
+        return 0
+    torch._dynamo.reset()
+    _clean_start.update(failed=failed, breaks=breaks)
+    return since
+
+
+def clean_start_notice(count: int) -> str:
+    return (f"torch.compile: an earlier compile in this process failed or broke its graph ({count} region(s)); "
+            "Dynamo would run those regions eagerly from now on without trying again, so its caches were "
+            "cleared and this run compiles afresh")
+
+
 class WarmUpTimer:
     """Prints, once, how long the first training step took (the compile warm-up): from the first
     forward in training mode with gradients to the end of the first optimizer step of this model's
@@ -91,6 +117,7 @@ class WarmUpTimer:
         self.t0: float | None = None
         self.handles: list = []
         self.seconds: float | None = None
+        self.graphs: int | None = None
         self.breaks_before = graph_breaks()
         self.breaks: dict[str, int] = {}
         self.failed_before = failed_frames()
@@ -131,7 +158,9 @@ class WarmUpTimer:
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self.t0
         graphs = compile_stats().get("graphs")
-        compiled = "?" if graphs is None or self.graphs_before is None else graphs - self.graphs_before
+        if graphs is not None and self.graphs_before is not None:
+            self.graphs = graphs - self.graphs_before
+        compiled = "?" if self.graphs is None else self.graphs
         info(f"torch.compile warm-up: the first step took {self.seconds:.1f}s ({compiled} graphs compiled)")
         self.breaks = new_graph_breaks(self.breaks_before, graph_breaks())
         if self.breaks:
