@@ -65,6 +65,29 @@ def package_versions(names=("torch", "transformers", "peft", "bitsandbytes", "tr
     return found
 
 
+def cuda_graphs_held() -> int | None:
+    """The CUDA graphs Inductor's cudagraph trees hold on this GPU: one per recorded call of a compiled
+    region, and one more each time a call is recorded again because an input it treats as fixed (a
+    backward's saved tensor) came at another address. A count that grows every step means every step
+    records again. None without CUDA or before any tree exists."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    except Exception:  # noqa: BLE001 - a torch that keeps its trees elsewhere
+        return None
+    if manager is None:
+        return None
+    held, pending = 0, [manager.roots]
+    while pending:  # iterative: a step's path is one node per compiled call, hundreds deep
+        for nodes in pending.pop().values():
+            held += len(nodes)
+            pending += [node.children for node in nodes]
+    return held
+
+
 def build_model(arch: str) -> Path:
     """Random-init weights of the architecture (seeded: the same weights on every call on one device type),
     saved as safetensors, with a local tokenizer."""

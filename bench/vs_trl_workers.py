@@ -99,7 +99,7 @@ def halved_micro_batch(oom_event: dict) -> bool:
 
 def worker_relaytune(args) -> dict:
     import torch
-    from gpu_bench import RELAYTUNE_SRC
+    from gpu_bench import RELAYTUNE_SRC, cuda_graphs_held
 
     import relaytune
 
@@ -108,6 +108,7 @@ def worker_relaytune(args) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     notes = []
     reserved_at_log: list[int] = []
+    graphs_at_log: list[int | None] = []
     # Observation only, guarded: relaytune is being refactored, and train(dict) is the stable API.
     try:
         from relaytune.training import trainer as _tr
@@ -122,13 +123,19 @@ def worker_relaytune(args) -> dict:
                 return model
             _tr.load_model = load_then_reset
             notes.append("peak reset after load_model (and again by relaytune after the optimizer is built)")
-        if cuda and hasattr(_tr, "peak_memory"):
-            _peak = _tr.peak_memory
+        from relaytune.training import step_log as _log
+
+        if cuda and hasattr(_log, "peak_memory"):
+            _peak = _log.peak_memory
 
             def peak_and_reserved():
                 reserved_at_log.append(torch.cuda.max_memory_reserved())
+                graphs_at_log.append(cuda_graphs_held())
                 return _peak()
-            _tr.peak_memory = peak_and_reserved
+            # step_log calls it for every logged step; the trainer's own name, for an OOM's event.
+            _log.peak_memory = peak_and_reserved
+            if hasattr(_tr, "peak_memory"):
+                _tr.peak_memory = peak_and_reserved
     except Exception as e:  # noqa: BLE001
         notes.append(f"could not hook relaytune internals ({e!r}); relying on its own peak reset")
     cfg = relaytune_config(args, out)
@@ -170,6 +177,8 @@ def worker_relaytune(args) -> dict:
     res["adapter_dtype"] = cfg["adapter_dtype"]
     if args.relaytune_set:
         res["relaytune_set"] = list(args.relaytune_set)
+    if any(n is not None for n in graphs_at_log):  # one per logged step: growth means graphs recorded again
+        res["cuda_graphs_held_per_step"] = graphs_at_log
     if args.relaytune_liger:
         res["liger_kernels"] = ", ".join(args.relaytune_liger)
     if cuda and steps:
