@@ -221,7 +221,8 @@ def _skip_side_effect_replay() -> None:
     variable in every attention forward. Dynamo refused that inside a checkpoint and ran the whole
     checkpoint eagerly around a compiled forward, so `compile_checkpoint` silently did nothing (0 graphs
     compiled, on the CPU).
-    That variable is restored before the forward returns: not replaying it loses nothing."""
+    That variable is restored before the forward returns: not replaying it loses nothing. The flag is
+    Dynamo's, for the process: a run puts back the value it found as it ends (speedups.configure_dynamo)."""
     import torch._dynamo.config as dynamo
 
     if hasattr(dynamo, "skip_fwd_side_effects_in_bwd_under_checkpoint"):

@@ -300,3 +300,37 @@ def test_cuda_snapshot_stages_in_reused_pinned_buffers():
     again = deferred_safetensors(_state_tensors("cuda"), {"format": "pt"})
     assert {id(b) for b in again.owned} <= pooled, "the buffers are reused"
     assert all(b.is_pinned() for b in again.owned)
+
+
+def test_a_run_puts_back_the_compiler_settings_it_found(tiny_model, tmp_path, one_thread, monkeypatch):
+    """Dynamo's settings are the process's: during a compiled run errors fall back to eager, recompiles
+    are bounded at RECOMPILE_LIMIT and a compiled checkpoint may skip replaying side effects; after it,
+    a notebook's own torch.compile finds torch's settings again. Compiles go through a backend that
+    returns the traced graph (Inductor's compile_fx, replaced), so no C++ compiler runs."""
+    import torch._dynamo.config as dynamo
+    import torch._inductor.compile_fx as inductor
+    from support.run_helpers import chat_rows, make_config, write_jsonl
+
+    from relaytune import train
+
+    seen = []
+
+    def traced_graph(graph_module, example_inputs, **kwargs):
+        seen.append((dynamo.suppress_errors, dynamo.recompile_limit,
+                     dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint))
+        return graph_module.forward
+
+    found = (dynamo.suppress_errors, dynamo.recompile_limit, dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint)
+    assert found == (False, 8, False)  # torch's own defaults, which the test relies on
+    monkeypatch.setattr(inductor, "compile_fx", traced_graph)
+    data = write_jsonl(tmp_path / "data.jsonl", chat_rows(40))
+    cfg = make_config(tmp_path, tiny_model, data, torch_compile=True, gradient_checkpointing=True,
+                      compile_checkpoint=True, max_steps=2)
+    torch._dynamo.reset()
+    try:
+        train(str(cfg))
+    finally:
+        torch._dynamo.reset()
+    assert seen and set(seen) == {(True, speedups.RECOMPILE_LIMIT, True)}
+    assert (dynamo.suppress_errors, dynamo.recompile_limit,
+            dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint) == found

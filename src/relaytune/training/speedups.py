@@ -22,6 +22,7 @@ kernel trains there, so packed batches keep SDPA.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -154,16 +155,33 @@ def batch_width(model, cfg) -> int | None:
     return int(cfg.max_seq_length) if (compiled and all(compiled)) or attention.in_use(model) else None
 
 
+# Dynamo's settings as the run found them, put back when it ends (restore_compiler_settings).
+_compiler_settings = contextlib.ExitStack()
+# Set by layers.compile_layers for a compiled checkpoint; put back with the rest.
+_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
 def configure_dynamo() -> None:
-    """Bounded recompilation, logged; compile errors fall back to eager instead of raising."""
+    """Bounded recompilation, logged; compile errors fall back to eager instead of raising. These are
+    the process's settings (the calling thread's, in torch 2.13): the run puts them back as it ends, so
+    a notebook's own torch.compile afterwards raises its errors and keeps torch's limits. The
+    recompile logging stays on: torch has no way to read back the logging it replaces."""
     import torch._dynamo.config as dynamo
 
-    for name in ("recompile_limit", "cache_size_limit"):  # the new name (2.7+) and the old
-        if hasattr(dynamo, name):
-            setattr(dynamo, name, RECOMPILE_LIMIT)
-    dynamo.suppress_errors = True
+    _compiler_settings.close()  # a run that never ended (its Trainer never closed) found the originals
+    changes = {"suppress_errors": True}
+    changes.update({name: RECOMPILE_LIMIT for name in ("recompile_limit", "cache_size_limit")  # new name, old
+                    if hasattr(dynamo, name)})
+    if hasattr(dynamo, _SIDE_EFFECTS):
+        changes[_SIDE_EFFECTS] = getattr(dynamo, _SIDE_EFFECTS)
+    _compiler_settings.enter_context(dynamo.patch(changes))
     if "TORCH_LOGS" not in os.environ:  # the user's own logging setting wins
         try:
             torch._logging.set_logs(recompiles=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+def restore_compiler_settings() -> None:
+    """Puts back the Dynamo settings configure_dynamo found (at the end of a run)."""
+    _compiler_settings.close()

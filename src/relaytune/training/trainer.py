@@ -53,7 +53,7 @@ from relaytune.training.recovery import (
     redo_after_oom,
     release_gpu,
 )
-from relaytune.training.speedups import batch_width
+from relaytune.training.speedups import batch_width, restore_compiler_settings
 from relaytune.training.step import StepParts, StepResult, optimizer_step
 from relaytune.training.step_log import LogWindow, peak_memory
 from relaytune.training.stops import Abandoned, StopRequest, safe_points
@@ -389,7 +389,7 @@ class Trainer:
             self.sessions.end(f"error: {type(error).__name__}", self.state.step)
 
     def close(self) -> None:
-        """On every way out: close the sinks, let the writer finish, and free the model and GPU memory."""
+        """Every way out: close the sinks, let the writer finish, free model and GPU memory, restore Dynamo's config."""
         if self.trackers is not None:
             self.trackers.close()
         if self.bar is not None:
@@ -398,3 +398,4 @@ class Trainer:
         # An exception kept by the caller holds this frame: drop every reference to the model here.
         self.__dict__.clear()
         release_gpu()
+        restore_compiler_settings()
