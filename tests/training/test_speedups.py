@@ -322,10 +322,11 @@ def test_a_run_puts_back_the_compiler_settings_it_found(tiny_model, tmp_path, on
 
     # A model loaded without a Trainer (earlier tests) leaves its settings until the next run: as at a
     # process's start, torch's defaults, set here.
+    # (Not monkeypatch: its undo deletes a config attribute, which hides it from the later tests.)
     speedups.restore_compiler_settings()
-    for name, value in (("suppress_errors", False), ("recompile_limit", 8),
-                        ("skip_fwd_side_effects_in_bwd_under_checkpoint", False)):
-        monkeypatch.setattr(dynamo, name, value)
+    defaults = dynamo.patch(suppress_errors=False, recompile_limit=8,
+                            skip_fwd_side_effects_in_bwd_under_checkpoint=False)
+    defaults.__enter__()
     found = (False, 8, False)
     monkeypatch.setattr(inductor, "compile_fx", traced_graph)
     data = write_jsonl(tmp_path / "data.jsonl", chat_rows(40))
@@ -334,8 +335,9 @@ def test_a_run_puts_back_the_compiler_settings_it_found(tiny_model, tmp_path, on
     torch._dynamo.reset()
     try:
         train(str(cfg))
+        after = (dynamo.suppress_errors, dynamo.recompile_limit, dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint)
     finally:
         torch._dynamo.reset()
+        defaults.__exit__(None, None, None)
     assert seen and set(seen) == {(True, speedups.RECOMPILE_LIMIT, True)}
-    assert (dynamo.suppress_errors, dynamo.recompile_limit,
-            dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint) == found
+    assert after == found
