@@ -34,7 +34,7 @@ from relaytune.linear4bit import fuse_4bit_linears, unfuse_4bit_linears, unfused
 from relaytune.log import info, notice, warn
 from relaytune.training import attention, hardware
 from relaytune.training.cuda_graphs import graphs_decision
-from relaytune.training.warmup import WarmUpTimer, clean_start_notice, start_clean
+from relaytune.training.warmup import WarmUpTimer, start_clean
 
 RECOMPILE_LIMIT = 16  # graphs per compiled code object: train/eval x a few shapes; beyond it, eager
 MIN_COMPILE_SM = (7, 0)  # Triton's floor
@@ -92,8 +92,7 @@ def _apply_compile(model, cfg, precision) -> list[str]:
         notice("torch_compile: off (no decoder layers found in this model)")
         return []
     configure_dynamo()
-    if cleared := start_clean():
-        notice(clean_start_notice(cleared))
+    start_clean()
     WarmUpTimer.install(model)
     graphs, why = graphs_decision(cfg, precision.device, layers, bf16=precision.autocast == torch.bfloat16)
     if graphs and attention.in_use(model) == "varlen":

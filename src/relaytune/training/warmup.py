@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from relaytune.log import info, warn
+from relaytune.log import info, notice, warn
 
 
 def _counters():
@@ -85,23 +85,19 @@ def failed_frames_warning(count: int) -> str:
 _clean_start = {"failed": 0, "breaks": 0}  # the counters when this process's caches were last cleared
 
 
-def start_clean() -> int:
-    """Clears Dynamo's caches when a region failed to compile or broke its graph since they were last
-    cleared here, so this run tries every region afresh; returns how many did (0: nothing cleared).
-    Graphs that compiled whole are kept otherwise: a later run of the same architecture reuses them."""
+def start_clean() -> None:
+    """Clears Dynamo's caches, with a note, when a region failed to compile or broke its graph since they
+    were last cleared here, so this run tries every region afresh. Graphs that compiled whole are kept
+    otherwise: a later run of the same architecture reuses them."""
     failed, breaks = failed_frames(), sum(graph_breaks().values())
     since = failed - _clean_start["failed"] + breaks - _clean_start["breaks"]
     if since <= 0:
-        return 0
+        return
     torch._dynamo.reset()
     _clean_start.update(failed=failed, breaks=breaks)
-    return since
-
-
-def clean_start_notice(count: int) -> str:
-    return (f"torch.compile: an earlier compile in this process failed or broke its graph ({count} region(s)); "
-            "Dynamo would run those regions eagerly from now on without trying again, so its caches were "
-            "cleared and this run compiles afresh")
+    notice(f"torch.compile: an earlier compile in this process failed or broke its graph ({since} region(s)); "
+           "Dynamo would run those regions eagerly from now on without trying again, so its caches were "
+           "cleared and this run compiles afresh")
 
 
 class WarmUpTimer:
