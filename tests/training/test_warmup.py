@@ -124,8 +124,9 @@ def test_a_run_after_a_failed_compile_in_the_same_process_compiles_afresh(tiny_m
         torch._dynamo.reset()
     assert afresh.relaytune_warmup.graphs >= 1 and afresh.relaytune_warmup.failed == 0
     assert ("relaytune: note: torch.compile: an earlier compile in this process failed or broke its graph "
-            f"({failed.relaytune_warmup.failed} region(s)); Dynamo would run those regions eagerly from now on "
-            "without trying again, so its caches were cleared and this run compiles afresh") in err
+            f"({failed.relaytune_warmup.failed} region(s)); Dynamo keeps its decisions for the process (a failed "
+            "region runs eagerly from then on, without trying again), so its caches were cleared and this run "
+            "compiles afresh") in err
     assert "(0 graphs compiled)" not in err and "warning" not in err
     # A run after whole compiles keeps the graphs: the same architecture reuses them.
     assert again.relaytune_warmup.graphs == 0 and "compiles afresh" not in err_again

@@ -96,8 +96,8 @@ def start_clean() -> None:
     torch._dynamo.reset()
     _clean_start.update(failed=failed, breaks=breaks)
     notice(f"torch.compile: an earlier compile in this process failed or broke its graph ({since} region(s)); "
-           "Dynamo would run those regions eagerly from now on without trying again, so its caches were "
-           "cleared and this run compiles afresh")
+           "Dynamo keeps its decisions for the process (a failed region runs eagerly from then on, without "
+           "trying again), so its caches were cleared and this run compiles afresh")
 
 
 class WarmUpTimer:
