@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 16's cases through bench/vs_trl.py (relaytune, TRL and TRL + Liger side by side), one report
+# each under $OUT, in one device call (after `bash bench/carry_wheels.sh` here):
+#   device run: bash bench/vs_trl_cases.sh lora qlora        (carry [".carry"]; ~340 s on an H200)
+#   device run: bash bench/vs_trl_cases.sh llama s512        (~360 s)
+#   device run: bash bench/vs_trl_cases.sh liger-nockpt      (Llama, relaytune + Liger RMSNorm/SwiGLU with
+#                                                             the checkpoint outside the compiled region)
+# Each report ends with its command and wall time; the tables print as they finish.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/vs_trl_cases}
+mkdir -p "$out"
+[ -d /tmp/site/transformers ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .carry/whl/*.whl || exit 1
+export PYTHONPATH=$PWD/src:/tmp/site
+common=(--steps 10 --warmup 3 --packing)
+for case in "$@"; do
+  case "$case" in
+    lora) args=(--arch qwen2.5-3b --quant none --batch 4) ;;
+    qlora) args=(--arch qwen2.5-3b --quant 4bit --batch 4) ;;
+    llama) args=(--arch llama-3-8b --quant 4bit --batch 2) ;;
+    s512) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --seq 512) ;;
+    liger-nockpt) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune
+                        --relaytune-liger rms_norm,swiglu --relaytune-set compile_checkpoint=false) ;;
+    *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt)" >&2; exit 2 ;;
+  esac
+  start=$(date +%s)
+  python3 bench/vs_trl.py "${args[@]}" "${common[@]}" --out "$out/$case.md" > "$out/$case.log" 2>&1
+  rc=$?
+  echo "<!-- command: python bench/vs_trl.py ${args[*]} ${common[*]} ; exit $rc ; total $(( $(date +%s) - start ))s -->" \
+    >> "$out/$case.md"
+  cat "$out/$case.md" 2>/dev/null || tail -30 "$out/$case.log"
+done
