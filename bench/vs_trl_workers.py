@@ -207,7 +207,8 @@ def worker_trl(args, liger: bool) -> dict:
     if tok.pad_token is None:  # as relaytune does
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
-    kwargs: dict = {"dtype": torch.bfloat16 if cuda else torch.float32}
+    # No Hub kernels, as relaytune loads it: transformers 5.25 fetches them by default, which raises offline.
+    kwargs: dict = {"dtype": torch.bfloat16 if cuda else torch.float32, "use_kernels": False}
     if args.quant == "4bit":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

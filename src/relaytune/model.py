@@ -282,6 +282,13 @@ def load_pretrained(cls, src: ModelSource, cfg: TrainConfig, **kwargs):
     """`cls.from_pretrained` for a resolved source, with actionable errors and no remote code unless asked."""
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file
+    from transformers import AutoTokenizer
+
+    if cls is not AutoTokenizer:
+        # transformers 5.25 swaps layers for Hub kernels wherever the `kernels` package is installed, and on a
+        # GPU again at every model.train(): that fetches code from the Hub, and offline it raises (seen on an
+        # H100). relaytune's own kernels are its compiled layers.
+        kwargs.setdefault("use_kernels", False)
     try:
         return cls.from_pretrained(src.path, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except ValueError as e:

@@ -91,6 +91,7 @@ def test_several_processes_keep_graphs_off(layers, tiny_model, tmp_path, h200, m
         False, "one GPU only (FSDP's hooks run between the layers' kernels)")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the model would load onto the CUDA GPU")
 def test_on_the_cpu_the_layers_compile_without_graphs_and_it_says_why(tiny_model, tmp_path, capsys):
     cfg = _cfg(tiny_model, tmp_path, cuda_graphs=True, torch_compile=True)
     model = load_model(cfg, choose_precision(cfg))
