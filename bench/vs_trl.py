@@ -147,8 +147,10 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
     res["gpu"] = power.summary()  # over the whole child, while the GPU was busy (gpu_power.py)
     if system == "relaytune":
         res["notices"] = relaytune_notices(text)
-    print(f"# {system} micro-batch {batch}: {seconds:.0f}s in its process"
-          f"{'' if res.get('fits', True) else ' (did not fit)'}", file=sys.stderr, flush=True)
+    # A worker that crashed did not run out of memory: say which, or a cap search reads a crash as "too big".
+    outcome = (f" (failed: exit {proc.returncode})" if "error" in res
+               else "" if res.get("fits", True) else " (did not fit)")
+    print(f"# {system} micro-batch {batch}: {seconds:.0f}s in its process{outcome}", file=sys.stderr, flush=True)
     return res
 
 
@@ -314,7 +316,8 @@ def main() -> None:
             for b in batches:
                 r = spawn(args, system, b, model, data)
                 tried.append({"batch": b, "fits": r.get("fits", False),
-                              "peak_allocated_gib": r.get("peak_allocated_gib")})
+                              "peak_allocated_gib": r.get("peak_allocated_gib"),
+                              **({"error": r["error"]} if "error" in r else {})})
                 if not r.get("fits"):
                     break
                 best = r
