@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("graphs_memory_probe.py", "graphs_memory_probe.py needs a GPU: CUDA graphs only replay there"),
     ("flex_graphs_trajectory.py",
      "flex_graphs_trajectory.py needs a GPU: FlexAttention's backward and CUDA graphs run there only."),
+    ("bf16_gradient_error.py", "bf16_gradient_error.py needs a CUDA GPU."),
 ])
 def test_without_a_gpu_the_script_says_it_needs_one(script, reason):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script)], capture_output=True, text=True, timeout=120)
