@@ -6,7 +6,7 @@ CUDA graphs, and FlashAttention's varlen kernel (sm_80+), are measured against b
     python bench/bf16_gradient_error.py
 
 The CUDA tests in tests/training/test_attention.py take their bf16 tolerances from these figures:
-results in bench/results/cuda-graphs-h200.md.
+results in bench/results/vs-trl-h200.md (2026-12-05, third session).
 """
 
 from __future__ import annotations
