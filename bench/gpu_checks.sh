@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The CUDA-only tests and each bf16 path's distance from fp32 (which the tests' bf16 tolerances come from),
+# The CUDA-only tests, each bf16 path's distance from fp32 (which the tests' bf16 tolerances come from) and
+# the flex decoding kernel's (kept out or let in),
 # in one device call (after `bash bench/carry_wheels.sh` here):
 #   device run: bash bench/gpu_checks.sh     (carry [".carry"])
 # Prints the tests' summary and failures without the captured debug logs, and keeps the reports under $OUT.
@@ -15,3 +16,4 @@ python3 -m pytest -q -p no:cacheprovider -p no:logging -rfs -m "slow or not slow
   tests/training/test_attention.py tests/training/test_cuda_graphs.py > "$out/tests.log" 2>&1
 grep -E "^(FAILED|ERROR|SKIPPED)|^E  |passed|failed" "$out/tests.log" | head -40
 python3 bench/bf16_gradient_error.py 2>&1 | grep -v Warning | tee "$out/bf16_error.log"
+python3 bench/flex_decoding_check.py 2>&1 | grep "vs eager fp32" | tee "$out/flex_decoding.log"

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("flex_graphs_trajectory.py",
      "flex_graphs_trajectory.py needs a GPU: FlexAttention's backward and CUDA graphs run there only."),
     ("bf16_gradient_error.py", "bf16_gradient_error.py needs a CUDA GPU."),
+    ("flex_decoding_check.py", "flex_decoding_check.py needs a CUDA GPU."),
 ])
 def test_without_a_gpu_the_script_says_it_needs_one(script, reason):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script)], capture_output=True, text=True, timeout=120)

@@ -32,10 +32,12 @@ from relaytune.layers import decoder_layers, is_compiled
 from relaytune.training import attention, document_mask, hardware, warmup
 from relaytune.training.loss import causal_lm_loss
 
-# A bf16 path may sit this many times eager bf16's distance from fp32, plus these floors. Chosen, not yet
-# checked on a GPU: bench/bf16_gradient_error.py prints the distances they must hold.
+# A bf16 path may sit this many times eager bf16's distance from fp32, plus these floors. On an H100 every
+# correct path sat within 1.01x in gradients and under 4.5e-5 in loss, while the flex decoding kernel
+# (attention.FLEX_KERNEL_OPTIONS) was 4.4x-5.8x and up to 4.4e-4 off (bench/results/flex-decoding-h100.md;
+# bench/bf16_gradient_error.py prints the distances).
 BF16_FACTOR = 2.0
-BF16_FLOOR_LOSS = 1e-3
+BF16_FLOOR_LOSS = 1e-4
 BF16_FLOOR_GRAD = 1e-2
 
 FLEX_RTOL = 1e-5  # measured ~1e-7
@@ -384,15 +386,18 @@ def _assert_within_bf16_rounding(got, bf16, fp32) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled layers + document-masked kernels train on GPUs")
-def test_cuda_compiled_flex_matches_eager_sdpa_in_fp32(tiny_model, tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["graphs off", "CUDA graphs"])
+def test_cuda_compiled_flex_matches_eager_sdpa_in_fp32(tiny_model, tmp_path, graphs):
     """On the GPU: eager SDPA vs compiled layers + FlexAttention, loss and gradients of 5 different packed
-    batches of one width, in fp32 (FlashAttention's varlen kernel has no fp32)."""
+    batches of width 32, in fp32 (FlashAttention's varlen kernel has no fp32). With CUDA graphs the
+    first forward runs without gradients, where Inductor would take its flex decoding kernel for so few
+    queries: that kernel was 5% off in gradients (attention.FLEX_KERNEL_OPTIONS keeps it out)."""
     applied, eager = _cuda_losses_and_gradients(tiny_model, tmp_path, torch.float32, torch_compile=False,
                                                 attention="sdpa")
     assert applied == []
     applied, fast = _cuda_losses_and_gradients(tiny_model, tmp_path, torch.float32, torch_compile=True,
-                                               attention="flex")
-    assert len(applied) == 2, applied
+                                               attention="flex", cuda_graphs=graphs)
+    assert len(applied) == 2 and applied[1].endswith(", CUDA graphs") == graphs, applied
     _assert_same_per_batch(fast, eager, loss_rtol=1e-3, grad_rtol=1e-3)
 
 

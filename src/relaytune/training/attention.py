@@ -165,6 +165,12 @@ def _switch(model, name: str, hook) -> None:
 
 # Resolved once by _register, so that the attention functions, traced by dynamo inside every
 # compiled layer, do no imports.
+# Inductor swaps in its flex decoding kernel for a forward without gradients over fewer than 128 queries
+# (the no_grad forward under cuda_graphs, evaluation), and with a packed batch's document BlockMask that
+# kernel was wrong: on an H100 (torch 2.11), a tiny llama's packed batches of width 32 came out up to
+# 4.4e-4 off in loss and 5% in gradients in fp32, where the main kernel matched eager SDPA exactly
+# (bench/results/flex-decoding-h100.md). So every flex call on a GPU takes the main kernel.
+FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 _BlockMask = _flex_attention = _sdpa_attention = _compiled_flex = _varlen_attn = None
 _VARLEN_OPTIONS: dict = {}  # the causal switch of this torch's varlen_attn, and whether it takes GQA
 
@@ -220,8 +226,9 @@ def flex_or_sdpa_attention(module, query, key, value, attention_mask, scaling=No
                                **kwargs)
     if dropout:
         raise ValueError("FlexAttention has no attention dropout; set attention: sdpa")
+    options = {"kernel_options": FLEX_KERNEL_OPTIONS} if query.is_cuda and FLEX_KERNEL_OPTIONS else {}
     out = _flex(query.is_cuda)(query, key, value, block_mask=attention_mask, scale=scaling,
-                               enable_gqa=query.shape[1] != key.shape[1])
+                               enable_gqa=query.shape[1] != key.shape[1], **options)
     return out.transpose(1, 2).contiguous(), None
 
 
