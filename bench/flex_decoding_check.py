@@ -21,6 +21,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tests" / "tr
 import support.packed_cases as cases  # noqa: E402
 import test_attention  # noqa: E402
 import torch  # noqa: E402
+from bf16_gradient_error import show  # noqa: E402
 
 from relaytune.tiny import make_tiny_model  # noqa: E402
 from relaytune.training import attention  # noqa: E402
@@ -34,7 +35,7 @@ def widen(factor: int) -> None:
     test_attention.DIFFERENT_BATCHES = tuple(tuple(tuple(factor * n for n in row) for row in batch)
                                              for batch in cases.DIFFERENT_BATCHES)
     test_attention.tiny_config = lambda *a, **k: cases.tiny_config(*a, **{**k, "max_seq_length": width})
-    test_attention.packed_batch = lambda vocab, segments, width=None: cases.packed_batch(vocab, segments, 32 * factor)
+    test_attention.packed_batch = lambda vocab, segments, **_: cases.packed_batch(vocab, segments, width)
 
 
 def main() -> None:
@@ -52,10 +53,8 @@ def main() -> None:
                 attention.FLEX_KERNEL_OPTIONS = options
                 for graphs in (False, True):
                     got = run(model, work, dtype, torch_compile=True, attention="flex", cuda_graphs=graphs)[1]
-                    print(f"width {32 * factor}, {str(dtype)[6:]}, kernel options {options}, CUDA graphs "
-                          f"{'on' if graphs else 'off'}: (loss, gradient) vs eager fp32 per batch "
-                          + ", ".join(f"({a:.2e}, {b:.4f})" for a, b in test_attention._errors(got, fp32)),
-                          flush=True)
+                    show(f"width {32 * factor}, {str(dtype)[6:]}, kernel options {options}, CUDA graphs "
+                         f"{'on' if graphs else 'off'} vs eager fp32", test_attention._errors(got, fp32))
     attention.FLEX_KERNEL_OPTIONS = RELAYTUNE_OPTIONS
 
 

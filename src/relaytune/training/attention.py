@@ -163,14 +163,15 @@ def _switch(model, name: str, hook) -> None:
         decoder._relaytune_attention_hooks = hooked | {name}
 
 
-# Resolved once by _register, so that the attention functions, traced by dynamo inside every
-# compiled layer, do no imports.
 # Inductor swaps in its flex decoding kernel for a forward without gradients over fewer than 128 queries
 # (the no_grad forward under cuda_graphs, evaluation), and with a packed batch's document BlockMask that
 # kernel was wrong: on an H100 (torch 2.11), a tiny llama's packed batches of width 32 came out up to
 # 4.4e-4 off in loss and 5% in gradients in fp32, where the main kernel matched eager SDPA exactly
 # (bench/results/flex-decoding-h100.md). So every flex call on a GPU takes the main kernel.
 FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+
+# Resolved once by _register, so that the attention functions, traced by dynamo inside every
+# compiled layer, do no imports.
 _BlockMask = _flex_attention = _sdpa_attention = _compiled_flex = _varlen_attn = None
 _VARLEN_OPTIONS: dict = {}  # the causal switch of this torch's varlen_attn, and whether it takes GQA
 
