@@ -52,7 +52,9 @@ sys.path.insert(0, str(HERE))
 import gpu_bench  # noqa: E402  (puts src/ on sys.path and imports relaytune)
 from gpu_bench import ARCHS, WORK, build_model, long_text_data, package_versions  # noqa: E402
 from gpu_power import PowerSampler, describe  # noqa: E402
-from vs_trl_workers import LIGER_KERNELS, RESULT, halved_micro_batch, liger_kernels, relaytune_adapter_dtype, worker  # noqa: E402
+from vs_trl_workers import RESULT, halved_micro_batch, liger_kernels, relaytune_adapter_dtype, worker  # noqa: E402
+
+from relaytune.liger import KERNELS  # noqa: E402
 
 # Extra sizes for quick checks, local to this script (gpu_bench.ARCHS is the same dict object,
 # so build_model knows them too).
@@ -249,9 +251,9 @@ def case_arguments(p: argparse.ArgumentParser) -> None:
                    help="short documents packed to --seq by both systems (TRL: bfd, padding-free)")
     p.add_argument("--relaytune-set", action="append", metavar="KEY=VALUE",
                    help="a relaytune config key for its run (repeatable), e.g. torch_compile=false, attention=sdpa")
-    p.add_argument("--relaytune-liger", nargs="?", const=",".join(LIGER_KERNELS), type=liger_kernels,
-                   metavar="KERNELS", help="relaytune's run with Liger's kernels patched into transformers: "
-                   "a comma list of " + ", ".join(LIGER_KERNELS) + " (all three when no list is given)")
+    p.add_argument("--relaytune-liger", nargs="?", const=",".join(KERNELS), type=liger_kernels,
+                   metavar="KERNELS", help="relaytune's run with its liger_kernels: a comma list of "
+                   + ", ".join(KERNELS) + " (both when no list is given)")
 
 
 def main() -> None:

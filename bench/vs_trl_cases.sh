@@ -3,8 +3,11 @@
 # each under $OUT, in one device call (after `bash bench/carry_wheels.sh` here):
 #   device run: bash bench/vs_trl_cases.sh lora qlora        (carry [".carry"]; ~340 s on an H200)
 #   device run: bash bench/vs_trl_cases.sh llama s512        (~360 s)
-#   device run: bash bench/vs_trl_cases.sh liger-nockpt      (Llama, relaytune + Liger RMSNorm/SwiGLU with
-#                                                             the checkpoint outside the compiled region)
+#   device run: bash bench/vs_trl_cases.sh liger-nockpt      (Llama, relaytune alone with liger_kernels,
+#                                                             which keeps the checkpoint outside the layers)
+#   device run: bash bench/vs_trl_cases.sh lowmem-qlora lowmem-llama cap32   (relaytune alone with every
+#               memory lever: offload_activations and liger_kernels; cap32: Qwen QLoRA at micro-batch 32
+#               under the 14.5 GiB cap, which TRL does not fit)
 # Each report ends with its command and wall time; the tables print as they finish.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -13,16 +16,23 @@ mkdir -p "$out"
 [ -d /tmp/site/transformers ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .carry/whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site
-common=(--steps 10 --warmup 3 --packing)
 for case in "$@"; do
+  common=(--steps 10 --warmup 3 --packing)
   case "$case" in
     lora) args=(--arch qwen2.5-3b --quant none --batch 4) ;;
     qlora) args=(--arch qwen2.5-3b --quant 4bit --batch 4) ;;
     llama) args=(--arch llama-3-8b --quant 4bit --batch 2) ;;
     s512) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --seq 512) ;;
-    liger-nockpt) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune
-                        --relaytune-liger rms_norm,swiglu --relaytune-set compile_checkpoint=false) ;;
-    *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt)" >&2; exit 2 ;;
+    liger-nockpt) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune --relaytune-liger) ;;
+    lowmem-qlora) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --systems relaytune --relaytune-liger
+                        --relaytune-set offload_activations=true) ;;
+    lowmem-llama) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune --relaytune-liger
+                        --relaytune-set offload_activations=true) ;;
+    cap32) args=(--arch qwen2.5-3b --quant 4bit --cap-gib 14.5 --search 32 --systems relaytune --relaytune-liger
+                 --relaytune-set offload_activations=true)
+           common=(--steps 3 --warmup 1) ;;  # unpacked, as TRL's 16 at this cap was measured
+    *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt, lowmem-qlora, lowmem-llama, cap32)" >&2
+       exit 2 ;;
   esac
   start=$(date +%s)
   python3 bench/vs_trl.py "${args[@]}" "${common[@]}" --out "$out/$case.md" > "$out/$case.log" 2>&1

@@ -38,8 +38,7 @@ def _is_oom(e: BaseException) -> bool:
 
 def relaytune_config(args, out: Path) -> dict:
     """relaytune's config for this case, as TRL's arguments are built in worker_trl (also used by
-    step_profile.py). With `--relaytune-liger` it also patches Liger's kernels into transformers
-    (apply_liger_kernels), which must happen before the model loads."""
+    step_profile.py). `--relaytune-liger` sets relaytune's own `liger_kernels`."""
     import torch
 
     cfg = dict(
@@ -61,34 +60,19 @@ def relaytune_config(args, out: Path) -> dict:
         key, _, value = item.partition("=")
         cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
     if args.relaytune_liger:
-        apply_liger_kernels(args.arch, args.relaytune_liger)
+        cfg["liger_kernels"] = list(args.relaytune_liger)
     return cfg
 
 
-LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2"}
-LIGER_KERNELS = ("rms_norm", "rope", "swiglu")
-
-
 def liger_kernels(text: str) -> tuple[str, ...]:
-    """`--relaytune-liger`'s value: a comma list of LIGER_KERNELS, in their order."""
+    """`--relaytune-liger`'s value: a comma list of relaytune's `liger_kernels` names, in their order."""
+    from relaytune.liger import KERNELS
+
     names = {n.strip() for n in text.split(",") if n.strip()}
-    unknown = sorted(names - set(LIGER_KERNELS))
+    unknown = sorted(names - set(KERNELS))
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(LIGER_KERNELS)}")
-    return tuple(k for k in LIGER_KERNELS if k in names)
-
-
-def apply_liger_kernels(arch: str, kernels: tuple[str, ...]) -> None:
-    """`--relaytune-liger`: Liger's `kernels` (of RMSNorm, RoPE and SwiGLU) patched into transformers'
-    classes of `arch`, so that the relaytune model loaded afterwards runs them (issue 16 asks whether
-    they add anything on top of relaytune's compiled layers). Liger's SwiGLU module still calls the
-    gate, up and down Linear layers, so LoRA keeps them. Its fused linear cross-entropy is left out:
-    relaytune's head computes the loss itself, with the gradient made in forward."""
-    import liger_kernel.transformers as liger
-    from gpu_bench import ARCHS
-
-    patch = getattr(liger, LIGER_PATCHES[ARCHS[arch]["model_type"]])
-    patch(**{k: k in kernels for k in LIGER_KERNELS}, cross_entropy=False, fused_linear_cross_entropy=False)
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(KERNELS)}")
+    return tuple(k for k in KERNELS if k in names)
 
 
 def halved_micro_batch(oom_event: dict) -> bool:

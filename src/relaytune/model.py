@@ -21,6 +21,7 @@ from relaytune import builtin
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
 from relaytune.layers import take_over_checkpointing
+from relaytune.liger import apply_liger_kernels, load_liger
 from relaytune.log import notice
 
 # peft's PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing` property (our
@@ -162,10 +163,12 @@ def load_model(cfg: TrainConfig, precision: Precision, src: ModelSource | None =
     if quantized:
         kwargs["quantization_config"] = _bnb_config(cfg, precision)
         kwargs["device_map"] = {"": precision.device.index if precision.device.type == "cuda" else "cpu"}
+    liger = load_liger(cfg.liger_kernels, precision.device)
     model = load_pretrained(AutoModelForCausalLM, src, cfg, **kwargs)
     if not quantized and not to_shard:
         model.to(precision.device)
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    apply_liger_kernels(model, cfg.liger_kernels, liger)  # on the base layers, before PEFT wraps them
     # No prepare_model_for_kbit_training: it upcasts every non-quantized weight to fp32, which
     # for Llama-3-8B's untied 128k-vocab embedding and head alone is 8.4 GB instead of 2.1 GB,
     # and mixed precision does not need it. get_peft_model freezes the base weights.

@@ -38,7 +38,7 @@ HARMLESS_KEYS = {
     "dataset_cache", "max_bad_fraction",  # the data fingerprint still guards the rows themselves
     # Same maths, other kernels: equal within rounding, never bit for bit on a GPU anyway; on the
     # CPU both default to off, so a run that never sets them stays byte-identical across resumes.
-    "torch_compile", "attention", "cuda_graphs", "compile_checkpoint",
+    "torch_compile", "attention", "cuda_graphs", "compile_checkpoint", "liger_kernels",
     # Where the frozen input embedding lives; a lookup copies the same values either way.
     "offload_embeddings",
     # Where the checkpointed layer inputs wait for backward (GPU or pinned CPU memory), not what they hold.

@@ -162,7 +162,9 @@ def _explain(error: ValidationError, raw: dict, where: dict[str, str]) -> str:
             if allowed:  # pydantic's own text already lists the choices; list them once
                 msg = "not one of the allowed values"
             suffix = f" (allowed: {allowed})" if allowed else ""
-            lines.append(f"{_at(where, key)}`{key}`: {msg}; got {_shown(raw.get(key))}{suffix}")
+            # An item of a list (liger_kernels: [rms_norm, rope]) is shown alone, so the bad one stands out.
+            got = item["input"] if allowed and isinstance(loc[-1], int) else raw.get(key)
+            lines.append(f"{_at(where, key)}`{key}`: {msg}; got {_shown(got)}{suffix}")
         else:  # settings that contradict each other: point at the first key the message names
             named = sorted((m.start(), k) for k in where if (m := re.search(rf"\b{re.escape(k)}\b", msg)))
             lines.append(f"{_at(where, named[0][1])}{msg}" if named else msg)

@@ -71,6 +71,8 @@ def _blocker(cfg, device: torch.device) -> str | None:
         return "gradient checkpointing is off: its checkpoint is what makes the replays safe in training"
     if getattr(cfg, "offload_activations", False):
         return "offload_activations copies the layer inputs between the replays"
+    if getattr(cfg, "liger_kernels", None):
+        return "Liger's kernels are not measured under CUDA graphs"
     if not getattr(cfg, "packing", False):
         return "unpacked batches vary in width: each width would record graphs of its own"
     return None

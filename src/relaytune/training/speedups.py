@@ -129,7 +129,7 @@ def checkpoint_inside_decision(cfg, graphs: bool, model, device: torch.device) -
     where the input embedding goes to host memory (offload_embeddings), which pays for its higher
     backward peak: elsewhere (a tied embedding, as Qwen2.5's) it would raise the peak above TRL's."""
     setting = getattr(cfg, "compile_checkpoint", False)
-    if setting is False or graphs or getattr(cfg, "offload_activations", False):
+    if setting is False or graphs or getattr(cfg, "offload_activations", False) or getattr(cfg, "liger_kernels", None):
         return False
     if setting is True:
         return True
