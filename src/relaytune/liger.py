@@ -55,6 +55,10 @@ def apply_liger_kernels(model, kernels, liger) -> bool:
     if model_type not in PATCHES:
         raise UserError(f"`liger_kernels`: relaytune puts Liger's kernels on {', '.join(PATCHES)} models, and "
                         f"this model is {model_type!r}; remove liger_kernels from the config")
+    act = getattr(model.config, "hidden_act", "silu")
+    if "swiglu" in kernels and act not in ("silu", "swish"):  # Liger's patch of a loaded MLP does not check
+        raise UserError(f"`liger_kernels`: Liger's SwiGLU computes silu(gate) * up, and this model's MLP uses "
+                        f"{act!r}; remove swiglu from liger_kernels")
     if liger is None:
         return False
     with module_restored(f"transformers.models.{model_type}.modeling_{model_type}"):

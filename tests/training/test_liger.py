@@ -87,6 +87,16 @@ def test_a_model_liger_does_not_fit_is_refused_by_name(tiny_model):
                             "and this model is 'gemma2'; remove liger_kernels from the config")
 
 
+def test_an_mlp_that_is_not_silu_is_refused_for_swiglu_but_not_for_rms_norm(tiny_model):
+    model = _base(tiny_model)
+    model.config.hidden_act = "gelu"
+    with pytest.raises(UserError) as e:
+        apply_liger_kernels(model, ["rms_norm", "swiglu"], None)
+    assert str(e.value) == ("`liger_kernels`: Liger's SwiGLU computes silu(gate) * up, and this model's MLP uses "
+                            "'gelu'; remove swiglu from liger_kernels")
+    assert apply_liger_kernels(model, ["rms_norm"], None) is False
+
+
 def test_liger_s_class_swap_is_undone_and_its_instance_patch_kept(tiny_model, monkeypatch):
     """A stand-in for liger_kernel.transformers that does what Liger 0.8.5's patch does: rebinds the
     modeling module's classes, adds a name, and rebinds the loaded model's MLP forward."""
