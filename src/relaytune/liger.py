@@ -2,9 +2,10 @@
 modules of one loaded model.
 
 Liger's MLP forward still calls the gate, up and down Linear layers, so LoRA adapts them as before;
-its fused SiLU-times-up kernel recomputes the product in backward instead of keeping it, which is the
-memory it saves. Liger's RoPE is left out: it breaks the compiled graph (twenty-second session,
-18% slower), and so is its fused linear cross-entropy, because relaytune's head computes the loss itself.
+its fused SiLU-times-up kernel keeps only the gate and up outputs for backward and recomputes
+silu(gate) there, which is part of the memory it saves. Liger's RoPE is left out: it breaks the
+compiled graph (18% slower; bench/results/vs-trl-h200.md, twenty-second session), and so is its fused
+linear cross-entropy, because relaytune's head computes the loss itself.
 
 Liger's `apply_liger_kernel_to_<model>` also swaps the classes in transformers' modeling module for the
 whole process. relaytune undoes that at once, so a model loaded later (another run in the same
