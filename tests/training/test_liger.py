@@ -159,3 +159,24 @@ def test_cuda_liger_kernels_keep_the_loss_and_gradients(tiny_model, tmp_path):
     # Both runs are bf16; the bound is the bf16 CUDA tests' (test_attention.py), not measured for Liger yet.
     assert abs(loss1 - loss0) / abs(loss0) < 1e-2
     assert (g1 - g0).norm() / g0.norm() < 2e-2
+
+
+def test_the_memory_plan_runs_what_relaytune_runs_beside_liger_and_says_it_does_not_count_them():
+    """Under liger_kernels the plan keeps the checkpoint outside the layers and CUDA graphs off, as
+    speedups.py and cuda_graphs.py do, and says its estimate leaves Liger's saving out."""
+    from relaytune.plan.architectures import from_table
+    from relaytune.plan.gpus import parse_gpu
+    from relaytune.plan.planner import plan_notes, settings_from_config
+
+    gpu, arch = parse_gpu("H100"), from_table("meta-llama/Meta-Llama-3-8B")
+    resolved = {}
+    for kernels in ([], ["rms_norm", "swiglu"]):
+        cfg = TrainConfig(model="m", dataset="d.jsonl", output_dir="out", bf16=True, packing=True,
+                          load_in_4bit=True, liger_kernels=kernels)
+        settings = settings_from_config(cfg, gpu)
+        liger_notes = [n for n in plan_notes(arch, settings, gpu, cfg) if n.startswith("liger_kernels")]
+        resolved[bool(kernels)] = (settings.compile_checkpoint, settings.graphs, liger_notes)
+    assert resolved[False] == ("auto", "auto", [])
+    assert resolved[True] == ("off", "off", [
+        "liger_kernels: their saving is not counted, so the memory here is an upper bound (H100, with "
+        "offload_activations: 0.43 GiB less for Qwen2.5-3B QLoRA at micro-batch 4 x 2048)"])
