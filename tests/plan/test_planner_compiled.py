@@ -104,7 +104,7 @@ def test_the_checkpoint_compiled_inside_counts_where_it_applies_and_the_defaults
     embedding in host memory) and 8.510 with the checkpoint inside and the embedding on the GPU; the
     inside constant was fitted to the second, so only the first is a check."""
     from relaytune.config import TrainConfig
-    from relaytune.plan.memory import BACKWARD_CHECKPOINT_INSIDE
+    from relaytune.plan.calibration import BACKWARD_CHECKPOINT_INSIDE
 
     def plan(model, micro, **kw):
         cfg = TrainConfig(model=model, dataset="data.jsonl", output_dir="run", load_in_4bit=True, bf16=True,

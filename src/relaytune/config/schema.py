@@ -227,7 +227,8 @@ class TrainConfig(BaseModel):
     Qwen2.5-3B QLoRA seq 2048 3.94 -> 3.51 GiB at 6% fewer tokens/s, and micro-batch 32 fit a 14.5 GiB
     cap (16 without them). Llama, Mistral, Qwen2 and Qwen3 models on CUDA GPUs, with the liger-kernel
     package; the checkpoint stays outside the compiled layers, and CUDA graphs stay off. The memory
-    plan does not count their saving. Same maths within rounding, so changing it on resume is allowed."""
+    plan counts their SwiGLU's saving at the least measured. Same maths within rounding, so changing it on
+    resume is allowed."""
     adapter_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the LoRA weights, their gradients and their AdamW state. bfloat16 halves that memory
     (Llama-3-8B all-linear r16: 0.31 GiB) as TRL and the QLoRA reference code do for 4-bit bases,

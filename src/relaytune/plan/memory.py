@@ -28,9 +28,7 @@ h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V voca
   the backward's temporaries), whichever is larger.
 - reserved/nvidia-smi adds allocator slack, the CUDA context and paged optimizer state.
 
-The constants fitted to measurements (BACKWARD_*) come from H200 figures: the eager ones from
-bench/results/gpu-h200.md (Qwen2.5-3B, loss chunk 256), the compiled 4-bit one from
-bench/results/planner.md; bench/planner_accuracy.py re-measures, and --rescore re-scores old runs.
+The constants fitted to GPU measurements live in plan/calibration.py, each beside where it was measured.
 """
 
 from __future__ import annotations
@@ -40,11 +38,22 @@ from dataclasses import dataclass, field
 
 from relaytune.errors import UserError
 from relaytune.plan.architectures import Architecture
+from relaytune.plan.calibration import (
+    BACKWARD_CHECKPOINT_INSIDE,
+    BACKWARD_COMPILED_QUANTIZED,
+    BACKWARD_FIXED,
+    BACKWARD_FP32_CAST,
+    BACKWARD_PLAIN,
+    GIB,
+    GRAPHS_EXTRA,
+    LIGER_SWIGLU_IN_PLACE,
+    OFFLOAD_RESIDUAL_PER_TOKEN,
+    SLACK_FRACTION,
+)
 from relaytune.plan.facts import chunk_tokens, embedding_offload_min_bytes, input_embedding_scales, plain_head_types
 from relaytune.plan.gpus import CUDA_CONTEXT_GIB
 from relaytune.training.cuda_graphs import auto_turns_on
 
-GIB = 2 ** 30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # bitsandbytes 4-bit: one absmax per 64 weights, fp32, or with double quantization 8-bit with one fp32
 # constant per 256 blocks.
@@ -53,32 +62,6 @@ LOSS_BYTES_PER_LOGIT = 12  # fp32 log-softmax output + its gradient + the logits
 # The loss that computes the head's gradient in forward (bf16, fp32): fp32 logits beside their copy in
 # the compute dtype, first as the matmul's output and then as the gradient's input to the next matmul.
 FUSED_LOSS_BYTES_PER_LOGIT = 6
-# Backward temporaries of one decoder layer, in units of a x I per token: gradients of the down
-# projection's input, of the SwiGLU halves and of the LoRA input casts. Adapters in fp32 under
-# half-precision autocast add fp32 copies of those gradients; 4-bit layers skip the fp32 cast.
-BACKWARD_FP32_CAST = 4.3
-BACKWARD_PLAIN = 1.6
-# A compiled 4-bit layer's backward holds more at once: Inductor fuses the layer's gradient work into
-# few kernels around bitsandbytes' dequantizing matmuls, which are graph breaks. Fitted to the eight
-# compiled QLoRA cases with checkpointing in bench/results/planner.md (no held-out check yet).
-BACKWARD_COMPILED_QUANTIZED = 1.5
-# compile_checkpoint: the compiled backward graph recomputes the layer and holds more MLP-sized buffers at
-# once (Inductor keeps the frozen and LoRA outputs of gate and up apart). Its two H200 measurements at
-# seq 2048 (bench/results/vs-trl-h200.md, thirteenth session) peaked 0.656 GiB (Llama-3-8B QLoRA bs 2) and
-# 0.637 GiB (Qwen2.5-3B QLoRA bs 4) above the checkpoint outside, which this model overestimates by 0.31
-# and 0.14 GiB; 3.5 puts both totals just above what was measured (8.54 against 8.51, 5.68 against 5.59).
-BACKWARD_CHECKPOINT_INSIDE = 3.5
-BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, whatever the batch
-# With offload_activations, what stayed on the GPU beyond the other parts, per token of the micro-batch:
-# 1.08 GiB at 32,768 tokens (Qwen2.5-3B QLoRA, micro-batch 16) and 0.55 GiB at 16,384 (Llama-3-8B QLoRA,
-# micro-batch 8), compiled layers on an H200 (bench/results/vs-trl-h200.md). Not yet explained.
-OFFLOAD_RESIDUAL_PER_TOKEN = 34 * 1024
-# Qwen2.5-3B QLoRA on an H200, compiling from scratch (pointwise autotuning off under graphs, as
-# layers.compile_layers sets it): none at 2,048 tokens per micro-batch (2.847 GiB with and without),
-# 0.128 GiB at 8,192 (5.079 against the tenth session's 4.951 without graphs; why, not traced). Rounded
-# up, and counted at every micro-batch and for every model, since no other was measured.
-GRAPHS_EXTRA = int(0.15 * GIB)
-SLACK_FRACTION = 0.05  # reserved above allocated: the caching allocator's rounding and fragmentation
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages optimizer state of tensors this large
 EIGHT_BIT_MIN_NUMEL = 4096  # smaller tensors keep fp32 moments in the 8-bit optimizers
 
@@ -115,6 +98,7 @@ class Settings:
     # force only where the layers are compiled, checkpointed, and neither graphed at this micro-batch nor offloaded.
     compile_checkpoint: str = "off"
     shards: int = 1  # FSDP: the processes the frozen base is sharded over (distributed/fsdp.shard)
+    liger_kernels: tuple[str, ...] = ()  # Liger's kernels on the decoder layers: "rms_norm", "swiglu"
 
 
 @dataclass
@@ -310,9 +294,12 @@ def layer_saved_bytes(arch: Architecture, s: Settings) -> int:
     # A compiled layer's partitioner recomputes cheap pointwise work in backward instead of saving it:
     # each RMSNorm keeps its input in the compute dtype (the fp32 upcast is redone), and the MLP keeps
     # the gate and up projections but not the SiLU product (a x I less).
-    norm = a if s.compiled_layers else 4
+    # Liger's kernels save the same as a compiled layer: the norm's input in the compute dtype (and one fp32
+    # per row), and the SwiGLU's two halves, recomputing the SiLU product in backward.
+    norm = a if s.compiled_layers or "rms_norm" in s.liger_kernels else 4
     total = norm * h * arch.norms_per_layer + (norm * (q + kv) if arch.qk_norm else 0)
-    total += a * (2 * q + 2 * kv) + (2 if s.compiled_layers else 3) * a * arch.intermediate_size
+    mlp = 2 if s.compiled_layers or "swiglu" in s.liger_kernels else 3
+    total += a * (2 * q + 2 * kv) + mlp * a * arch.intermediate_size
     return total + lora_saved_bytes(arch, s)
 
 
@@ -340,6 +327,8 @@ def working_set(arch: Architecture, s: Settings, tokens: int, checkpoint_inside:
         coefficient += BACKWARD_COMPILED_QUANTIZED
     if checkpoint_inside:
         coefficient += BACKWARD_CHECKPOINT_INSIDE
+    if s.compiled_layers and "swiglu" in s.liger_kernels:  # measured compiled only; eager keeps the bound
+        coefficient -= LIGER_SWIGLU_IN_PLACE
     return int(coefficient * a * arch.intermediate_size * tokens) + BACKWARD_FIXED
 
 

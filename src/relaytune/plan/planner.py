@@ -60,7 +60,8 @@ def settings_from_config(cfg, gpu: Gpu, labelled_fraction: float = 1.0, shards: 
         adapter_bytes=2 if getattr(cfg, "adapter_dtype", "float32") == "bfloat16" else 4,
         graphs=graphs_setting(cfg, gpu, dtype), graphs_peak_flops=(gpu.tflops or 0.0) * 1e12,
         offload_embeddings=offload_setting(cfg),
-        compile_checkpoint=checkpoint_setting(cfg), shards=shards)
+        compile_checkpoint=checkpoint_setting(cfg), shards=shards,
+        liger_kernels=tuple(getattr(cfg, "liger_kernels", None) or ()))
 
 
 def checkpoint_setting(cfg) -> str:
@@ -226,8 +227,8 @@ def plan_notes(arch: Architecture, settings: Settings, gpu: Gpu, cfg) -> list[st
         notes.append("each decoder layer compiled (torch_compile: auto), which saves fewer activations than "
                      "eager layers; with torch_compile: false the estimate is for eager layers")
     if getattr(cfg, "liger_kernels", None):
-        notes.append("liger_kernels: their saving is not counted, so the memory here is an upper bound (H100, "
-                     "with offload_activations: 0.43 GiB less for Qwen2.5-3B QLoRA at micro-batch 4 x 2048)")
+        notes.append("liger_kernels: their SwiGLU's in-place backward is counted at the least its H100 "
+                     "measurements saved, so the memory here is an upper bound")
     if not uses_chunked_loss(arch):
         notes.append(f"{arch.model_type} computes its loss through the model's own forward (full logits); "
                      "longer sequences cost much more memory than with relaytune's chunked loss")
