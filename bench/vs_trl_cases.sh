@@ -5,6 +5,8 @@
 #   device run: bash bench/vs_trl_cases.sh llama s512        (~360 s)
 #   device run: bash bench/vs_trl_cases.sh liger-nockpt      (Llama, relaytune alone with liger_kernels,
 #                                                             which keeps the checkpoint outside the layers)
+#   device run: bash bench/vs_trl_cases.sh offload-qlora offload-llama   (relaytune alone with
+#               offload_activations: its side-stream copies against the fifth session's same-stream ones)
 #   device run: bash bench/vs_trl_cases.sh lowmem-qlora lowmem-llama cap32   (relaytune alone with every
 #               memory lever: offload_activations and liger_kernels; cap32: Qwen QLoRA at micro-batch 32
 #               under the 14.5 GiB cap, which TRL does not fit)
@@ -24,6 +26,10 @@ for case in "$@"; do
     llama) args=(--arch llama-3-8b --quant 4bit --batch 2) ;;
     s512) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --seq 512) ;;
     liger-nockpt) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune --relaytune-liger) ;;
+    offload-qlora) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --systems relaytune
+                         --relaytune-set offload_activations=true) ;;
+    offload-llama) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune
+                         --relaytune-set offload_activations=true) ;;
     lowmem-qlora) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --systems relaytune --relaytune-liger
                         --relaytune-set offload_activations=true) ;;
     lowmem-llama) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune --relaytune-liger
@@ -31,7 +37,8 @@ for case in "$@"; do
     cap32) args=(--arch qwen2.5-3b --quant 4bit --cap-gib 14.5 --search 32 --systems relaytune --relaytune-liger
                  --relaytune-set offload_activations=true)
            common=(--steps 3 --warmup 1) ;;  # unpacked, as TRL's 16 at this cap was measured
-    *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt, lowmem-qlora, lowmem-llama, cap32)" >&2
+    *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt, offload-qlora, offload-llama, lowmem-qlora," \
+            "lowmem-llama, cap32)" >&2
        exit 2 ;;
   esac
   start=$(date +%s)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from relaytune import builtin
+from relaytune.activation_offload import offloaded_checkpoint
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
 from relaytune.layers import take_over_checkpointing
@@ -239,31 +240,6 @@ def inputs_require_grad(model) -> None:
 def _require_grad_with_grad_on(module, args, output):
     if torch.is_grad_enabled():
         output.requires_grad_(True)
-
-
-def offloaded_checkpoint(checkpoint, function, *args, **kwargs):
-    """`checkpoint(function, *args)` with the inputs it keeps in pinned CPU memory. Non-reentrant
-    checkpointing saves its inputs through autograd's saved-tensor hooks, so these hooks receive them;
-    what the layer saves inside is still dropped and recomputed, under checkpointing's own inner hooks."""
-    with torch.autograd.graph.saved_tensors_hooks(_to_host, _to_device):
-        return checkpoint(function, *args, **kwargs)
-
-
-def _to_host(tensor: torch.Tensor):
-    if not tensor.is_cuda:
-        return tensor
-    # Asynchronous on the compute stream: the GPU block is reused only after the copy (the caching
-    # allocator orders reuse by stream), and the pinned block only after its copy back (an event).
-    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return tensor.device, host
-
-
-def _to_device(packed):
-    if isinstance(packed, torch.Tensor):
-        return packed
-    device, host = packed
-    return host.to(device, non_blocking=True)
 
 
 def _bnb_config(cfg: TrainConfig, precision: Precision):

@@ -220,7 +220,8 @@ class TrainConfig(BaseModel):
     """Keep each checkpointed decoder layer's input in pinned CPU memory, not on the GPU, and copy it
     back when backward recomputes that layer (as Unsloth and torchtune offer). Saves hidden size x 2
     bytes per token per layer (Llama-3-8B at seq 2048: 0.5 GiB per row of the micro-batch) for PCIe
-    traffic each step. Needs gradient_checkpointing. Same maths, so changing it on resume is allowed."""
+    traffic each step, which a side CUDA stream overlaps with the layers' compute (the next layer's input
+    is copied back ahead). Needs gradient_checkpointing. Same maths, so changing it on resume is allowed."""
     liger_kernels: list[Literal["rms_norm", "swiglu"]] = []
     """Liger's Triton kernels for the decoder layers' RMSNorm and SwiGLU MLP (LoRA keeps the gate, up and
     down layers), for less activation memory at fewer tokens/s. H100, with offload_activations:

@@ -148,6 +148,8 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
         inside = checkpoint_inside(arch, s) and s.compiled_layers and not graphs and not s.offload_activations
         layer_phase = {"recomputed layer": tokens * layer,
                        "backward working set": working_set(arch, s, tokens, inside)}
+        if s.offload_activations:  # the copy back of the next layer's input starts as this one's recompute does
+            layer_phase["prefetched layer input"] = tokens * a * arch.hidden_size
     else:
         parts["saved activations"] = arch.num_layers * tokens * layer
         layer_phase = {"backward working set": working_set(arch, s, tokens)}
@@ -386,4 +388,5 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
             "LoRA gradients": adapter, "optimizer state": opt, "checkpoint staging": staging,
             "saved activations": saved, "recomputed layer": "one layer's activations, rebuilt in backward",
             "backward working set": "gradients in flight in one layer's backward", "loss": loss,
+            "prefetched layer input": "the next layer's input, copied back from the host ahead of its backward",
             "CUDA graphs": "what graphs added to the peak where measured (up to 0.13 GiB)"}

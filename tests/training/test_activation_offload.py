@@ -1,0 +1,144 @@
+"""offload_activations' copies (relaytune/activation_offload.py).
+
+On the CPU, with the three copy steps replaced by recorders: exactly the checkpointed layer inputs go
+to the host, in forward order; backward takes each back, and taking layer i's back starts layer i-1's
+copy (one prefetch, never an input of an earlier step); the loss and every gradient are bit for bit
+those of plain checkpointing. On a GPU (fp32): the real side-stream copies give the same loss and
+gradients bit for bit over several steps, and leave no GPU memory behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relaytune import activation_offload
+from relaytune.config.schema import TrainConfig
+from relaytune.layers import decoder_layers
+from relaytune.model import choose_precision, load_model
+from relaytune.tiny import make_tiny_model
+from relaytune.training.loss import causal_lm_loss
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny4") / "model", layers=LAYERS)
+
+
+def _model(folder, tmp_path, **kw):
+    cfg = TrainConfig(model=str(folder), dataset="unused.jsonl", output_dir=str(tmp_path / "run"),
+                      lora_dropout=0.0, gradient_checkpointing=True, torch_compile=False, **kw)
+    precision = choose_precision(cfg)
+    torch.manual_seed(0)
+    model = load_model(cfg, precision)
+    with torch.no_grad():  # a nonzero adapter, so that its gradients flow through every layer
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    model.train()
+    return model, precision.device
+
+
+def _loss_and_grads(model, device, seed: int, rows: int = 3, seq: int = 17):
+    ids = torch.randint(10, model.config.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(model, batch, rows * (seq - 1))
+    loss.backward()
+    return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.fixture
+def recorded_copies(monkeypatch):
+    """The copy steps on the CPU, recorded: ("host", n) for the n-th input offloaded, ("back", n) for a copy
+    back started, ("use", n) for one handed to backward."""
+    events, index = [], {}
+
+    def copy_to_host(tensor):
+        host = tensor.detach().clone()
+        index[id(host)] = len(index)
+        events.append(("host", index[id(host)], tuple(tensor.shape)))
+        return host
+
+    def start_copy_back(item):
+        events.append(("back", index[id(item.host)]))
+        item.reloaded, item.ready = item.host.clone(), "copied"
+
+    def wait_for_copy_back(item):
+        assert item.ready == "copied"
+        events.append(("use", index[id(item.host)]))
+        tensor, item.reloaded = item.reloaded, None
+        return tensor
+
+    monkeypatch.setattr(activation_offload, "OFFLOADED_DEVICE_TYPES", ("cpu",))
+    for step in (copy_to_host, start_copy_back, wait_for_copy_back):
+        monkeypatch.setattr(activation_offload, step.__name__, step)
+    return events
+
+
+def test_backward_takes_each_layer_input_back_and_starts_the_one_before_it(
+        four_layers, tmp_path, one_thread, recorded_copies):
+    model, device = _model(four_layers, tmp_path, offload_activations=True)
+    layers = decoder_layers(model)
+    assert len(layers) == LAYERS
+    for i, layer in enumerate(layers):  # the layer's first module: it runs in forward and in the recompute
+        layer.input_layernorm.register_forward_pre_hook(lambda module, args, i=i: recorded_copies.append(("run", i)))
+    shape = (3, 17, model.config.hidden_size)
+    for step in range(2):
+        recorded_copies.clear()
+        _loss_and_grads(model, device, seed=step)
+        first = step * LAYERS  # the inputs offloaded in this step are numbered from here
+        forward = [e for i in range(LAYERS) for e in (("host", first + i, shape), ("run", i))]
+        assert recorded_copies[:2 * LAYERS] == forward
+        # Backward fetches the last layer's input when it needs it, and each other one a layer ahead: its
+        # copy starts before the layer after it is recomputed. The first step's inputs are not fetched again.
+        backward = [("back", first + LAYERS - 1)]
+        for i in reversed(range(LAYERS)):
+            backward += [("use", first + i)] + ([("back", first + i - 1)] if i else []) + [("run", i)]
+        assert recorded_copies[2 * LAYERS:] == backward
+
+
+def test_offloaded_inputs_keep_the_loss_and_every_gradient_bit_for_bit(
+        four_layers, tmp_path, one_thread, recorded_copies):
+    results = {}
+    for offload in (False, True):
+        recorded_copies.clear()
+        model, device = _model(four_layers, tmp_path, offload_activations=offload)
+        results[offload] = _loss_and_grads(model, device, seed=7)
+        assert len(recorded_copies) == (3 * LAYERS if offload else 0)  # to the host, back, used: once each
+    (loss0, grads0), (loss1, grads1) = results[False], results[True]
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys() and len(grads0) > 0
+    for name, grad in grads0.items():
+        assert torch.equal(grad, grads1[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copies to pinned memory need CUDA")
+def test_cuda_side_stream_copies_keep_every_gradient_bit_for_bit_and_free_their_memory(tmp_path, monkeypatch):
+    """fp32 and SDPA's math kernel (deterministic), so both runs are the same kernels on the same values;
+    rows long enough that each layer's copy takes longer than a few of its kernels, so a missing wait
+    would show as a wrong gradient."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    folder = make_tiny_model(tmp_path / "model", layers=LAYERS, hidden=256, intermediate=512, heads=4, kv_heads=2)
+    monkeypatch.setattr(activation_offload, "_side_streams", {})
+    results = {}
+    for offload in (False, True):
+        model, device = _model(folder, tmp_path, offload_activations=offload, bf16=False)
+        assert device.type == "cuda" and next(model.parameters()).dtype == torch.float32
+        with sdpa_kernel(SDPBackend.MATH):
+            runs = [_loss_and_grads(model, device, seed=step, rows=8, seq=1024) for step in range(3)]
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            runs.append(_loss_and_grads(model, device, seed=3, rows=8, seq=1024))
+            torch.cuda.synchronize()
+        results[offload] = runs
+        assert torch.cuda.memory_allocated() == before, "a step left GPU memory behind"
+        assert bool(activation_offload._side_streams) == offload
+    for (loss0, grads0), (loss1, grads1) in zip(results[False], results[True]):
+        assert torch.equal(loss0, loss1)
+        for name, grad in grads0.items():
+            assert torch.equal(grad, grads1[name]), name
