@@ -207,3 +207,18 @@ def test_the_planned_peak_with_liger_is_above_what_the_h100_measured_and_within_
     saved = LIGER_SWIGLU_IN_PLACE * 2 * arch.intermediate_size * micro_batch * 2048
     assert planned(()) - with_liger == pytest.approx(saved, abs=1)
     assert planned(("rms_norm",)) == planned(()), "a compiled layer already keeps the norm's input in bf16"
+
+
+def test_in_eager_layers_the_plan_saves_what_ligers_kernels_save():
+    """Eager transformers layers keep each RMSNorm's fp32 upcast and the SiLU product; Liger's RMSNorm keeps
+    its bf16 input (and one fp32 per row), its SwiGLU the gate and up halves only."""
+    from relaytune.plan.architectures import from_table
+    from relaytune.plan.memory import Settings, layer_saved_bytes
+
+    arch = from_table("meta-llama/Meta-Llama-3-8B")
+    saved = {kernels: layer_saved_bytes(arch, Settings(max_seq_length=2048, liger_kernels=kernels))
+             for kernels in ((), ("rms_norm",), ("swiglu",), ("rms_norm", "swiglu"))}
+    norms = (4 - 2) * arch.hidden_size * arch.norms_per_layer
+    assert saved[()] - saved[("rms_norm",)] == norms
+    assert saved[()] - saved[("swiglu",)] == 2 * arch.intermediate_size
+    assert saved[()] - saved[("rms_norm", "swiglu")] == norms + 2 * arch.intermediate_size
