@@ -1,13 +1,14 @@
-"""offload_activations: each checkpointed decoder layer keeps its input in pinned host memory.
+"""offload_activations: each checkpointed decoder layer keeps its inputs in pinned host memory.
 
 Non-reentrant checkpointing saves a layer's inputs through autograd's saved-tensor hooks, so
 `offloaded_checkpoint` hands them to `to_host` in forward and takes them back through `to_device` in
 backward; what the layer saves inside is still dropped and recomputed under checkpointing's own hooks.
 
 The copies run on a side CUDA stream, one per GPU, so that they overlap the layers' compute instead of
-queueing between its kernels: in forward, layer i's input goes to the host while layer i runs; in
-backward, taking back layer i's input starts the copy of layer i-1's, which layer i's recompute and
-backward then hide. So one more layer input than without the prefetch is on the GPU at a time.
+queueing between its kernels: in forward, layer i's inputs go to the host while layer i runs; in
+backward, taking back layer i's inputs starts the copies of layer i-1's, which layer i's recompute and
+backward then hide. So one more layer's inputs than without the prefetch are on the GPU at a time.
+The chain of layers restarts with each forward pass, so a prefetch never reaches into an older graph.
 
 Stream rules kept here (the caching allocators order reuse by stream, not by host time):
 - the side stream waits for the compute stream before reading a tensor it produced, and before writing
@@ -15,6 +16,8 @@ Stream rules kept here (the caching allocators order reuse by stream, not by hos
 - a GPU tensor the side stream reads or writes is recorded on it, so its block is not reused before the copy;
 - the compute stream waits for a copy's event before it uses the copied tensor;
 - the pinned host blocks record their copies' events themselves (torch's host allocator).
+A layer that wrote its input in place would race the copy to the host; autograd does not check saved
+tensors that go through hooks, so `offloaded_checkpoint` does.
 """
 
 from __future__ import annotations
@@ -23,37 +26,56 @@ import weakref
 
 import torch
 
+from relaytune.errors import UserError
+
+
+class Layer:
+    """The inputs one checkpointed layer call offloaded, and the layer call before it in this forward pass."""
+
+    __slots__ = ("inputs", "earlier", "__weakref__")
+
+    def __init__(self, earlier: Layer | None):
+        self.inputs: list[weakref.ref] = []
+        self.earlier = weakref.ref(earlier) if earlier is not None else None
+
 
 class Offloaded:
-    """One layer input in host memory, the input offloaded just before it (to prefetch in backward),
-    and its copy back to the GPU while one is in flight."""
+    """One layer input in host memory, its layer, and its copy back to the GPU while one is in flight."""
 
-    __slots__ = ("device", "host", "earlier", "reloaded", "ready", "__weakref__")
+    __slots__ = ("device", "host", "layer", "reloaded", "ready", "__weakref__")
 
-    def __init__(self, device: torch.device, host: torch.Tensor, earlier: weakref.ref | None):
-        self.device, self.host, self.earlier = device, host, earlier
+    def __init__(self, device: torch.device, host: torch.Tensor, layer: Layer):
+        self.device, self.host, self.layer = device, host, layer
         self.reloaded: torch.Tensor | None = None
         self.ready = None  # the side stream's event after the copy back
 
 
 # Tensors on these devices go to the host (a CPU test sets "cpu", with the copies replaced, to follow the schedule).
 OFFLOADED_DEVICE_TYPES = ("cuda",)
-# The side stream of each GPU, and the input offloaded last there (forward order links each to the one before).
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
-_last_offloaded: dict[torch.device, weakref.ref] = {}
+_last_layer: list[weakref.ref] = []  # the layer call offloaded last in this forward pass, if any
 
 
-def offloaded_checkpoint(checkpoint, function, *args, **kwargs):
-    """`checkpoint(function, *args)` with the inputs it keeps in pinned host memory."""
-    with torch.autograd.graph.saved_tensors_hooks(to_host, to_device):
-        return checkpoint(function, *args, **kwargs)
+def offloaded_checkpoint(checkpoint, starts_pass: bool, function, *args, **kwargs):
+    """`checkpoint(function, *args)` with the inputs it keeps in pinned host memory; `starts_pass`: this is
+    the first checkpointed layer of the model, so a new forward pass begins."""
+    earlier = None if starts_pass or not _last_layer else _last_layer[0]()
+    layer = Layer(earlier)
+    _last_layer[:] = [weakref.ref(layer)]
+    versions = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: to_host(tensor, layer), to_device):
+        output = checkpoint(function, *args, **kwargs)
+    if layer.inputs and any(a._version != version for a, version in versions):
+        raise UserError("offload_activations: this model's decoder layer writes its input in place, which "
+                        "would race the input's copy to host memory; set offload_activations: false")
+    return output
 
 
-def to_host(tensor: torch.Tensor):
-    if tensor.device.type not in OFFLOADED_DEVICE_TYPES:
-        return tensor
-    item = Offloaded(tensor.device, copy_to_host(tensor), _last_offloaded.get(tensor.device))
-    _last_offloaded[tensor.device] = weakref.ref(item)
+def to_host(tensor: torch.Tensor, layer: Layer):
+    if type(tensor) is not torch.Tensor or tensor.device.type not in OFFLOADED_DEVICE_TYPES:
+        return tensor  # a tensor subclass (a sharded or quantized weight) stays as autograd saved it
+    item = Offloaded(tensor.device, copy_to_host(tensor), layer)
+    layer.inputs.append(weakref.ref(item))
     return item
 
 
@@ -63,9 +85,11 @@ def to_device(packed):
     if packed.reloaded is None:
         start_copy_back(packed)
     tensor = wait_for_copy_back(packed)
-    earlier = packed.earlier() if packed.earlier is not None else None
-    if earlier is not None and earlier.reloaded is None:
-        start_copy_back(earlier)  # the layer before this one, which backward reaches next
+    earlier = packed.layer.earlier() if packed.layer.earlier is not None else None
+    for ref in earlier.inputs if earlier is not None else ():
+        item = ref()  # the layer before this one, which backward reaches next
+        if item is not None and item.reloaded is None:
+            start_copy_back(item)
     return tensor
 
 
@@ -99,5 +123,5 @@ def start_copy_back(item: Offloaded) -> None:
 
 def wait_for_copy_back(item: Offloaded) -> torch.Tensor:
     torch.cuda.current_stream(item.device).wait_event(item.ready)
-    tensor, item.reloaded = item.reloaded, None  # a second backward through a kept graph copies again
+    tensor, item.reloaded = item.reloaded, None  # a kept graph's second backward copies again
     return tensor

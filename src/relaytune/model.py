@@ -210,10 +210,10 @@ def enable_checkpointing(model, offload: bool = False) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
     inputs_require_grad(base)
     if offload:
-        for module in base.modules():
-            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-            if checkpoint is not None:
-                module._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, checkpoint)
+        checkpointed = [m for m in base.modules() if getattr(m, "_gradient_checkpointing_func", None) is not None]
+        for i, module in enumerate(checkpointed):  # in call order: the first one starts each forward pass
+            module._gradient_checkpointing_func = functools.partial(
+                offloaded_checkpoint, module._gradient_checkpointing_func, i == 0)
     take_over_checkpointing(base)  # outside the compiled region of a compiled layer
 
 

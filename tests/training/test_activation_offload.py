@@ -9,11 +9,15 @@ gradients bit for bit over several steps, and leave no GPU memory behind.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from relaytune import activation_offload
 from relaytune.config.schema import TrainConfig
+from relaytune.errors import UserError
 from relaytune.layers import decoder_layers
 from relaytune.model import choose_precision, load_model
 from relaytune.tiny import make_tiny_model
@@ -99,6 +103,51 @@ def test_backward_takes_each_layer_input_back_and_starts_the_one_before_it(
         for i in reversed(range(LAYERS)):
             backward += [("use", first + i)] + ([("back", first + i - 1)] if i else []) + [("run", i)]
         assert recorded_copies[2 * LAYERS:] == backward
+
+
+def _toy_pass(weights, x, extra):
+    """A stack of checkpointed toy layers that each take two tensors (as Gemma3n's layers take a per-layer
+    input besides the hidden states), through relaytune's offloaded checkpoint."""
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    h = x
+    for i, w in enumerate(weights):
+        layer = functools.partial(lambda a, b, w: torch.tanh(a * w + b), w=w)
+        h = activation_offload.offloaded_checkpoint(checkpoint, i == 0, layer, h, extra)
+    return h.sum()
+
+
+def test_a_layer_with_two_inputs_gets_both_prefetched_and_none_copied_twice(recorded_copies):
+    weights = [torch.full((4,), 0.5 + i, requires_grad=True) for i in range(3)]
+    x, extra = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    _toy_pass(weights, x, extra).backward()
+    events = recorded_copies[6:]
+    assert [e[1] for e in recorded_copies[:6] if e[0] == "host"] == list(range(6))  # layer k: inputs 2k, 2k+1
+    assert sorted(e[1] for e in events if e[0] == "back") == list(range(6)), "each input copied back once"
+    for layer in (0, 1):
+        # Taking back the first input of the layer after it starts both of its copies, before the next use.
+        first = next(i for i, e in enumerate(events) if e[0] == "use" and e[1] // 2 == layer + 1)
+        until = next(i for i in range(first + 1, len(events)) if events[i][0] == "use")
+        assert {("back", 2 * layer), ("back", 2 * layer + 1)} <= set(events[first + 1:until]), events
+
+
+def test_a_new_forward_pass_never_prefetches_an_older_graphs_inputs(recorded_copies):
+    weights = [torch.full((4,), 0.5 + i, requires_grad=True) for i in range(2)]
+    x, extra = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    older = _toy_pass(weights, x, extra)  # its graph stays alive while the next pass runs
+    recorded_copies.clear()
+    _toy_pass(weights, x, extra).backward()
+    newer = {e[1] for e in recorded_copies if e[0] == "host"}
+    assert {e[1] for e in recorded_copies if e[0] == "back"} == newer
+    older.backward()
+
+
+def test_a_layer_that_writes_its_input_in_place_is_refused_by_name(recorded_copies):
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    h = torch.randn(2, 4, requires_grad=True) * 1.0
+    with pytest.raises(UserError) as e:
+        activation_offload.offloaded_checkpoint(checkpoint, True, lambda a: a.mul_(2).sum(), h)
+    assert str(e.value) == ("offload_activations: this model's decoder layer writes its input in place, which "
+                            "would race the input's copy to host memory; set offload_activations: false")
 
 
 def test_offloaded_inputs_keep_the_loss_and_every_gradient_bit_for_bit(

@@ -143,6 +143,9 @@ def test_offload_preflight_counts_the_pinned_memory_and_refuses_what_the_host_ca
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         check_offload(Report(), model, cfg, 8, True, gpu, available=int(2 * need))
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    six = Report()  # 6 x 1024 x hidden 64 x 2 bytes = 768 KiB per layer input, pinned in a 1 MiB block
+    check_offload(six, model, cfg, 6, True, gpu, available=4 * need)
+    assert six.rows == report.rows
     for micro, gc, precision in ((8, False, gpu), (8, True, choose_precision(cfg))):
         quiet = Report()
         check_offload(quiet, model, cfg, micro, gc, precision, available=1)

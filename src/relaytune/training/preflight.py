@@ -91,16 +91,19 @@ def predicted_checkpoint_bytes(model, cfg: TrainConfig) -> int:
 
 def check_offload(report: Report, model, cfg: TrainConfig, micro_batch: int, gradient_checkpointing: bool,
                   precision, available: int | None = None) -> None:
-    """offload_activations pins every layer's input of a micro-batch in host memory: say how much, and
-    refuse (exit 2) what this host cannot hold, since the kernel would kill the run at that step on
-    every re-run. Ranks on one host each pin their own. Nothing is pinned on the CPU or without checkpointing."""
+    """offload_activations pins every layer's input of a micro-batch in host memory (each block rounded up to
+    a power of two, as torch's pinned allocator does): say how much, and refuse (exit 2) what this host cannot
+    hold, since the kernel would kill the run at that step on every re-run. Ranks on one host each pin their
+    own. Nothing is pinned on the CPU or without checkpointing."""
     if not (cfg.offload_activations and gradient_checkpointing and precision.device.type == "cuda"):
         return
     seq, activation_bytes = cfg.max_seq_length, (precision.autocast or precision.dtype).itemsize
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     text = getattr(base.config, "get_text_config", lambda: base.config)()
     ranks = local_size()
-    need = ranks * text.num_hidden_layers * micro_batch * seq * text.hidden_size * activation_bytes
+    # torch's pinned-memory allocator rounds each block up to a power of two (CachingHostAllocator.h).
+    per_input = micro_batch * seq * text.hidden_size * activation_bytes
+    need = ranks * text.num_hidden_layers * (1 << (per_input - 1).bit_length())
     available = host_available_bytes() if available is None else available
     where = f"{available / GIB:.1f} GiB available" if available else "available memory unknown"
     report.add("offload", f"{need / GIB:.2f} GiB of pinned host memory for the layer inputs ({where})")
