@@ -102,7 +102,9 @@ def test_bf16_adapters_resume_byte_identical(tiny_model, chat_data, tmp_path, fo
 
 def test_changing_adapter_dtype_on_resume_is_refused(tiny_model, chat_data, tmp_path, fork_cli):
     first = make_config(tmp_path, tiny_model, chat_data, max_steps=4, save_steps=2)
-    killed = fork_cli.run("train", str(first), env={"RELAYTUNE_CRASH_AT": "step:end:3"})
+    # Killed once the step-2 checkpoint is committed: a kill at a step's end may come before the background
+    # save of an earlier step commits, and the re-run then starts afresh with nothing to compare.
+    killed = fork_cli.run("train", str(first), env={"RELAYTUNE_CRASH_AT": "save:after_rename:1"})
     assert killed.returncode == -signal.SIGKILL
     again = make_config(tmp_path, tiny_model, chat_data, max_steps=4, save_steps=2, adapter_dtype="bfloat16")
     r = fork_cli.run("train", str(again))
