@@ -145,3 +145,18 @@ def test_train_releases_the_model_on_every_exit_path(tmp_path, tiny_model, chat_
     gc.collect()
     assert len(built) == 3
     assert [ref() is None for ref in built] == [True, True, True]
+
+
+def test_after_an_oom_the_cached_gpu_and_pinned_host_memory_go_back(monkeypatch):
+    """A smaller micro-batch fits none of the larger one's cached blocks: offload_activations' pinned layer
+    inputs would otherwise stay on top of the new ones in host memory."""
+    from relaytune.training.recovery import free_memory
+
+    released = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append("gpu"))
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: released.append("pinned host"))
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    assert free_memory(torch.optim.SGD([weight], lr=0.1)) == []
+    assert released == ["gpu", "pinned host"] and weight.grad is None

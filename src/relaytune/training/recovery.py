@@ -75,7 +75,17 @@ def free_memory(optimizer, model=None) -> list[str]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        empty_host_cache()  # offload_activations' pinned blocks of the larger micro-batch fit no smaller one
     return released
+
+
+def empty_host_cache() -> None:
+    """Give back the pinned host memory torch caches but no tensor uses (torch.accelerator's call, or the
+    private one of older torch)."""
+    release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
 
 
 def forget_unscale(scaler: torch.amp.GradScaler | None) -> None:
@@ -96,6 +106,7 @@ def release_gpu() -> None:
         torch.cuda.empty_cache()
         if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
             torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces allocated otherwise
+        empty_host_cache()
 
 
 def redo_after_oom(r: Recovery, global_batch: int, step: int, error: BaseException, released: list[str]) -> dict:
