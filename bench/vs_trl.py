@@ -112,6 +112,7 @@ def spawn(args, system: str, batch: int, model: Path, data: Path) -> dict:
             cmd += ["--relaytune-set", item]
         if args.relaytune_liger:
             cmd += ["--relaytune-liger", ",".join(args.relaytune_liger)]
+        cmd += ["--relaytune-offload-stream", args.relaytune_offload_stream]
     if args.cap_gib:
         cmd += ["--cap-gib", str(args.cap_gib)]
     log = WORK / "vs_trl" / f"{run_dir.name}.log"
@@ -254,6 +255,9 @@ def case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relaytune-liger", nargs="?", const=",".join(KERNELS), type=liger_kernels,
                    metavar="KERNELS", help="relaytune's run with its liger_kernels: a comma list of "
                    + ", ".join(KERNELS) + " (both when no list is given)")
+    p.add_argument("--relaytune-offload-stream", default="side", choices=["side", "compute"],
+                   help="with offload_activations: relaytune's copies on its side stream (as it runs), or on the "
+                   "compute stream (as before 6c76cf5), to measure the overlap")
 
 
 def main() -> None:
@@ -340,6 +344,8 @@ def main() -> None:
         header += ", " + ", ".join(args.relaytune_set)
     if args.relaytune_liger:
         header += ", with Liger's kernels: " + ", ".join(args.relaytune_liger)
+    if args.relaytune_offload_stream != "side":
+        header += ", offload copies on the compute stream"
     text = report(args, results, notes, header) + f"- versions: {stack_versions()}\n"
     text += f"<!-- command: python bench/vs_trl.py {' '.join(sys.argv[1:])} ; total {time.time() - t0:.0f}s -->\n"
     publish(text, args.out)

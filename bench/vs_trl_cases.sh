@@ -5,8 +5,9 @@
 #   device run: bash bench/vs_trl_cases.sh llama s512        (~360 s)
 #   device run: bash bench/vs_trl_cases.sh liger-nockpt      (Llama, relaytune alone with liger_kernels,
 #                                                             which keeps the checkpoint outside the layers)
-#   device run: bash bench/vs_trl_cases.sh offload-qlora offload-llama   (relaytune alone with
-#               offload_activations: its side-stream copies against the fifth session's same-stream ones)
+#   device run: bash bench/vs_trl_cases.sh offload-qlora offload-qlora-compute offload-llama offload-llama-compute
+#               (relaytune alone with offload_activations: its side-stream copies, then the same run with the
+#               copies on the compute stream, on one machine)
 #   device run: bash bench/vs_trl_cases.sh lowmem-qlora lowmem-llama cap32   (relaytune alone with every
 #               memory lever: offload_activations and liger_kernels; cap32: Qwen QLoRA at micro-batch 32
 #               under the 14.5 GiB cap, which TRL does not fit)
@@ -30,6 +31,10 @@ for case in "$@"; do
                          --relaytune-set offload_activations=true) ;;
     offload-llama) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune
                          --relaytune-set offload_activations=true) ;;
+    offload-qlora-compute) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --systems relaytune
+                                 --relaytune-set offload_activations=true --relaytune-offload-stream compute) ;;
+    offload-llama-compute) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune
+                                 --relaytune-set offload_activations=true --relaytune-offload-stream compute) ;;
     lowmem-qlora) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --systems relaytune --relaytune-liger
                         --relaytune-set offload_activations=true) ;;
     lowmem-llama) args=(--arch llama-3-8b --quant 4bit --batch 2 --systems relaytune --relaytune-liger
@@ -37,8 +42,8 @@ for case in "$@"; do
     cap32) args=(--arch qwen2.5-3b --quant 4bit --cap-gib 14.5 --search 32 --systems relaytune --relaytune-liger
                  --relaytune-set offload_activations=true)
            common=(--steps 3 --warmup 1) ;;  # unpacked, as TRL's 16 at this cap was measured
-    *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt, offload-qlora, offload-llama, lowmem-qlora," \
-            "lowmem-llama, cap32)" >&2
+    *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt, offload-qlora[-compute]," \
+            "offload-llama[-compute], lowmem-qlora, lowmem-llama, cap32)" >&2
        exit 2 ;;
   esac
   start=$(date +%s)

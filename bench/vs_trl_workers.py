@@ -38,7 +38,8 @@ def _is_oom(e: BaseException) -> bool:
 
 def relaytune_config(args, out: Path) -> dict:
     """relaytune's config for this case, as TRL's arguments are built in worker_trl (also used by
-    step_profile.py). `--relaytune-liger` sets relaytune's own `liger_kernels`."""
+    step_profile.py and memory_snapshot.py). `--relaytune-liger` sets relaytune's own `liger_kernels`;
+    `--relaytune-offload-stream compute` moves offload_activations' copies onto the compute stream."""
     import torch
 
     cfg = dict(
@@ -61,6 +62,12 @@ def relaytune_config(args, out: Path) -> dict:
         cfg[key.strip()] = __import__("yaml").safe_load(value)  # "false" -> False, "8" -> 8
     if args.relaytune_liger:
         cfg["liger_kernels"] = list(args.relaytune_liger)
+    if getattr(args, "relaytune_offload_stream", "side") == "compute":
+        from relaytune import activation_offload
+
+        # This process's offload copies on the compute stream, as before 6c76cf5 (the prefetch kept), so that
+        # one invocation measures what the side stream's overlap gives.
+        activation_offload.side_stream = torch.cuda.current_stream
     return cfg
 
 

@@ -24,6 +24,25 @@ def _metrics(run: Path, *records: dict, tail: str = "") -> Path:
     return run
 
 
+def _record_workers(monkeypatch, tmp_path) -> list:
+    """vs_trl.spawn's worker processes replaced by ones that finish at once; returns their commands."""
+    commands = []
+
+    class Finished:
+        returncode = 0
+
+        def __init__(self, cmd, stdout, **kw):
+            commands.append(cmd)
+            stdout.write(vs_trl.RESULT + json.dumps({"system": cmd[cmd.index("--worker") + 1]}) + "\n")
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(vs_trl, "WORK", tmp_path)
+    monkeypatch.setattr(vs_trl.subprocess, "Popen", Finished)
+    return commands
+
+
 def test_only_an_oom_that_halved_the_micro_batch_means_it_did_not_fit(tmp_path):
     step = {"step": 0, "loss": 2.0}
     assert not vs_trl._has_oom_event(tmp_path / "none")
@@ -98,20 +117,7 @@ def test_relaytune_liger_names_only_relaytunes_liger_kernels(capsys):
 
 
 def test_only_relaytunes_worker_is_told_to_run_with_liger(monkeypatch, tmp_path):
-    commands = []
-
-    class Finished:
-        returncode = 0
-
-        def __init__(self, cmd, stdout, **kw):
-            commands.append(cmd)
-            stdout.write(vs_trl.RESULT + json.dumps({"system": cmd[cmd.index("--worker") + 1]}) + "\n")
-
-        def poll(self):
-            return 0
-
-    monkeypatch.setattr(vs_trl, "WORK", tmp_path)
-    monkeypatch.setattr(vs_trl.subprocess, "Popen", Finished)
+    commands = _record_workers(monkeypatch, tmp_path)
     parser = argparse.ArgumentParser()
     vs_trl.case_arguments(parser)
     args = parser.parse_args(["--relaytune-liger", "swiglu"])
@@ -120,3 +126,28 @@ def test_only_relaytunes_worker_is_told_to_run_with_liger(monkeypatch, tmp_path)
         assert vs_trl.spawn(args, system, 4, tmp_path / "model", tmp_path / "data.jsonl")["system"] == system
     assert [cmd[cmd.index("--relaytune-liger") + 1] for cmd in commands if "--relaytune-liger" in cmd] == ["swiglu"]
     assert ["--relaytune-liger" in cmd for cmd in commands] == [True, False]
+
+
+def test_offload_stream_compute_puts_relaytunes_copies_on_the_compute_stream_in_its_worker(monkeypatch, tmp_path):
+    """--relaytune-offload-stream compute: the A/B of offload_activations' side stream in one invocation;
+    only relaytune's worker gets the flag, and only that setting touches relaytune's offload module."""
+    import torch
+    import vs_trl_workers
+
+    from relaytune import activation_offload
+
+    monkeypatch.setattr(activation_offload, "side_stream", activation_offload.side_stream)
+    side = activation_offload.side_stream
+    parser = argparse.ArgumentParser()
+    vs_trl.case_arguments(parser)
+    for flag, expected in (([], side), (["--relaytune-offload-stream", "compute"], torch.cuda.current_stream)):
+        args = parser.parse_args(["--relaytune-set", "offload_activations=true", *flag])
+        args.model, args.data, args.steps, args.warmup, args.save_steps = "m", "d", 2, 1, 0
+        assert vs_trl_workers.relaytune_config(args, tmp_path)["offload_activations"] is True
+        assert activation_offload.side_stream is expected
+    commands = _record_workers(monkeypatch, tmp_path)
+    args.cap_gib = 0.0
+    for system in ("relaytune", "trl"):
+        vs_trl.spawn(args, system, 4, tmp_path / "model", tmp_path / "data.jsonl")
+    assert ["--relaytune-offload-stream" in cmd for cmd in commands] == [True, False]
+    assert commands[0][commands[0].index("--relaytune-offload-stream") + 1] == "compute"
