@@ -149,7 +149,7 @@ def test_cuda_liger_kernels_keep_the_loss_and_gradients(tiny_model, tmp_path):
         model = load_model(cfg, precision)
         forward = model.base_model.model.model.layers[0].mlp.forward
         assert forward.__func__.__qualname__.startswith("LigerSwiGLUMLP") == bool(kernels)
-        ids = torch.randint(0, 500, (2, 64), device=precision.device)
+        ids = torch.randint(0, model.config.vocab_size, (2, 64), device=precision.device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
