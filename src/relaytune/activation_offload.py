@@ -16,6 +16,9 @@ Stream rules kept here (the caching allocators order reuse by stream, not by hos
 - a GPU tensor the side stream reads or writes is recorded on it, so its block is not reused before the copy;
 - the compute stream waits for a copy's event before it uses the copied tensor;
 - the pinned host blocks record their copies' events themselves (torch's host allocator).
+Should the copies fall behind the layers, inputs waiting for theirs stay on the GPU; no cap on that
+backlog is kept (torchtune's `max_fwd_stash_size`), because the caching allocator waits for all recorded
+events before it gives up on an allocation, so a backlog can raise the peak it reports but not cause an OOM.
 A layer that wrote its input in place would race the copy to the host; autograd does not check saved
 tensors that go through hooks, so `offloaded_checkpoint` does.
 """
