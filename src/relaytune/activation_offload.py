@@ -16,9 +16,11 @@ Stream rules kept here (the caching allocators order reuse by stream, not by hos
 - a GPU tensor the side stream reads or writes is recorded on it, so its block is not reused before the copy;
 - the compute stream waits for a copy's event before it uses the copied tensor;
 - the pinned host blocks record their copies' events themselves (torch's host allocator).
-Should the copies fall behind the layers, inputs waiting for theirs stay on the GPU; no cap on that
-backlog is kept (torchtune's `max_fwd_stash_size`), because the caching allocator waits for all recorded
-events before it gives up on an allocation, so a backlog can raise the peak it reports but not cause an OOM.
+A layer input recorded on the side stream goes back to the pool only once the host sees its copy done,
+so the further the host runs ahead of the GPU, the more such blocks wait: they count in reserved memory,
+not allocated (0.23 and 0.36 GiB more reserved than with the copies on the compute stream, H100). No cap
+is kept on them (torchtune's `max_fwd_stash_size`): the caching allocator waits for every recorded event
+before it gives up on an allocation, so they cannot cause an out-of-memory error.
 A layer that wrote its input in place would race the copy to the host; autograd does not check saved
 tensors that go through hooks, so `offloaded_checkpoint` does.
 """
