@@ -8,19 +8,19 @@ The copies run on a side CUDA stream, one per GPU, so that they overlap the laye
 queueing between its kernels: in forward, layer i's inputs go to the host while layer i runs; in
 backward, taking back layer i's inputs starts the copies of layer i-1's, which layer i's recompute and
 backward then hide. So one more layer's inputs than without the prefetch are on the GPU at a time.
+A layer's inputs leave the GPU when the next layer starts: the compute stream waits there for their copy
+(a layer's compute to finish it in), so their blocks go back to the compute stream's pool at once, where
+a `record_stream` would hold them until the host saw the copy done, as many layers later as the host runs
+ahead of the GPU. The last layer's inputs stay on the GPU until backward, which takes them from there.
 The chain of layers restarts with each forward pass, so a prefetch never reaches into an older graph.
 
 Stream rules kept here (the caching allocators order reuse by stream, not by host time):
 - the side stream waits for the compute stream before reading a tensor it produced, and before writing
   into a block the compute stream handed out (its earlier users are queued there);
-- a GPU tensor the side stream reads or writes is recorded on it, so its block is not reused before the copy;
+- a layer input the side stream reads is kept until the compute stream has waited for its copy, and a
+  tensor it writes is recorded on it, so no block is reused before its copy;
 - the compute stream waits for a copy's event before it uses the copied tensor;
 - the pinned host blocks record their copies' events themselves (torch's host allocator).
-A layer input recorded on the side stream goes back to the pool only once the host sees its copy done,
-so the further the host runs ahead of the GPU, the more such blocks wait: they count in reserved memory,
-not allocated (0.23 and 0.36 GiB more reserved than with the copies on the compute stream, H100). No cap
-is kept on them (torchtune's `max_fwd_stash_size`): the caching allocator waits for every recorded event
-before it gives up on an allocation, so they cannot cause an out-of-memory error.
 A layer that wrote its input in place would race the copy to the host; autograd does not check saved
 tensors that go through hooks, so `offloaded_checkpoint` does.
 """
@@ -45,12 +45,14 @@ class Layer:
 
 
 class Offloaded:
-    """One layer input in host memory, its layer, and its copy back to the GPU while one is in flight."""
+    """One layer input in host memory, its layer, the GPU tensor until it is released, and its copy back to
+    the GPU while one is in flight."""
 
-    __slots__ = ("device", "host", "layer", "reloaded", "ready", "__weakref__")
+    __slots__ = ("device", "host", "copied", "source", "layer", "reloaded", "ready", "__weakref__")
 
-    def __init__(self, device: torch.device, host: torch.Tensor, layer: Layer):
-        self.device, self.host, self.layer = device, host, layer
+    def __init__(self, source: torch.Tensor, host: torch.Tensor, copied, layer: Layer):
+        self.device, self.host, self.copied, self.layer = source.device, host, copied, layer
+        self.source: torch.Tensor | None = source  # the GPU tensor, until the compute stream waits for `copied`
         self.reloaded: torch.Tensor | None = None
         self.ready = None  # the side stream's event after the copy back
 
@@ -79,21 +81,31 @@ def offloaded_checkpoint(checkpoint, starts_pass: bool, function, *args, **kwarg
 def to_host(tensor: torch.Tensor, layer: Layer):
     if type(tensor) is not torch.Tensor or tensor.device.type not in OFFLOADED_DEVICE_TYPES:
         return tensor  # a tensor subclass (a sharded or quantized weight) stays as autograd saved it
-    item = Offloaded(tensor.device, copy_to_host(tensor), layer)
+    for item in inputs_of(layer.earlier):  # the layer before this one has run: its inputs leave the GPU
+        if item.source is not None:
+            release_source(item)
+    item = Offloaded(tensor, *copy_to_host(tensor), layer)
     layer.inputs.append(weakref.ref(item))
     return item
+
+
+def inputs_of(layer_ref: weakref.ref | None) -> list[Offloaded]:
+    layer = layer_ref() if layer_ref is not None else None
+    items = (ref() for ref in layer.inputs) if layer is not None else ()
+    return [item for item in items if item is not None]  # a dropped graph's items are gone
 
 
 def to_device(packed):
     if not isinstance(packed, Offloaded):
         return packed
-    if packed.reloaded is None:
-        start_copy_back(packed)
-    tensor = wait_for_copy_back(packed)
-    earlier = packed.layer.earlier() if packed.layer.earlier is not None else None
-    for ref in earlier.inputs if earlier is not None else ():
-        item = ref()  # the layer before this one, which backward reaches next
-        if item is not None and item.reloaded is None:
+    if packed.source is not None:  # the forward pass's last layer: its inputs are still on the GPU
+        tensor = release_source(packed)
+    else:
+        if packed.reloaded is None:
+            start_copy_back(packed)
+        tensor = wait_for_copy_back(packed)
+    for item in inputs_of(packed.layer.earlier):  # the layer before this one, which backward reaches next
+        if item.source is None and item.reloaded is None:
             start_copy_back(item)
     return tensor
 
@@ -104,14 +116,21 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
-def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     compute, side = torch.cuda.current_stream(tensor.device), side_stream(tensor.device)
     side.wait_stream(compute)
     with torch.cuda.stream(side):
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
-    tensor.record_stream(side)
-    return host
+        return host, side.record_event()
+
+
+def release_source(item: Offloaded) -> torch.Tensor:
+    """The input's GPU tensor, no longer kept: the compute stream waits for its copy to the host first, so
+    compute work that reuses its block runs after the copy has read it."""
+    torch.cuda.current_stream(item.device).wait_event(item.copied)
+    tensor, item.source = item.source, None
+    return tensor
 
 
 def start_copy_back(item: Offloaded) -> None:

@@ -1,9 +1,10 @@
 """offload_activations' copies (relaytune/activation_offload.py).
 
-On the CPU, with the three copy steps replaced by recorders: exactly the checkpointed layer inputs go
-to the host, in forward order; backward takes each back, and taking layer i's back starts layer i-1's
-copy (one prefetch, never an input of an earlier step); the loss and every gradient are bit for bit
-those of plain checkpointing. On a GPU (fp32): the real side-stream copies give the same loss and
+On the CPU, with the four copy steps replaced by recorders: exactly the checkpointed layer inputs go
+to the host, in forward order, and each leaves the GPU as the next layer starts; backward takes the last
+layer's input from the GPU and each other one back from the host, and taking layer i's starts layer
+i-1's copy (one prefetch, never an input of an earlier step); the loss and every gradient are bit for
+bit those of plain checkpointing. On a GPU (fp32): the real side-stream copies give the same loss and
 gradients bit for bit over several steps, and leave no GPU memory behind.
 """
 
@@ -57,15 +58,21 @@ def _loss_and_grads(model, device, seed: int, rows: int = 3, seq: int = 17):
 
 @pytest.fixture
 def recorded_copies(monkeypatch):
-    """The copy steps on the CPU, recorded: ("host", n) for the n-th input offloaded, ("back", n) for a copy
-    back started, ("use", n) for one handed to backward."""
+    """The copy steps on the CPU, recorded: ("host", n) for the n-th input offloaded, ("release", n) for its
+    GPU tensor let go, ("back", n) for a copy back started, ("use", n) for a copy back handed to backward."""
     events, index = [], {}
 
     def copy_to_host(tensor):
         host = tensor.detach().clone()
         index[id(host)] = len(index)
         events.append(("host", index[id(host)], tuple(tensor.shape)))
-        return host
+        return host, "copied"
+
+    def release_source(item):
+        assert item.copied == "copied"
+        events.append(("release", index[id(item.host)]))
+        tensor, item.source = item.source, None
+        return tensor
 
     def start_copy_back(item):
         events.append(("back", index[id(item.host)]))
@@ -78,7 +85,7 @@ def recorded_copies(monkeypatch):
         return tensor
 
     monkeypatch.setattr(activation_offload, "OFFLOADED_DEVICE_TYPES", ("cpu",))
-    for step in (copy_to_host, start_copy_back, wait_for_copy_back):
+    for step in (copy_to_host, release_source, start_copy_back, wait_for_copy_back):
         monkeypatch.setattr(activation_offload, step.__name__, step)
     return events
 
@@ -95,14 +102,18 @@ def test_backward_takes_each_layer_input_back_and_starts_the_one_before_it(
         recorded_copies.clear()
         _loss_and_grads(model, device, seed=step)
         first = step * LAYERS  # the inputs offloaded in this step are numbered from here
-        forward = [e for i in range(LAYERS) for e in (("host", first + i, shape), ("run", i))]
-        assert recorded_copies[:2 * LAYERS] == forward
-        # Backward fetches the last layer's input when it needs it, and each other one a layer ahead: its
+        # Each layer's input leaves the GPU as the next layer starts, after its copy to the host.
+        forward = [("host", first, shape), ("run", 0)]
+        for i in range(1, LAYERS):
+            forward += [("release", first + i - 1), ("host", first + i, shape), ("run", i)]
+        assert recorded_copies[:len(forward)] == forward
+        # Backward takes the last layer's input from the GPU, and fetches each other one a layer ahead: its
         # copy starts before the layer after it is recomputed. The first step's inputs are not fetched again.
-        backward = [("back", first + LAYERS - 1)]
+        backward = []
         for i in reversed(range(LAYERS)):
-            backward += [("use", first + i)] + ([("back", first + i - 1)] if i else []) + [("run", i)]
-        assert recorded_copies[2 * LAYERS:] == backward
+            take = ("release", first + i) if i == LAYERS - 1 else ("use", first + i)
+            backward += [take] + ([("back", first + i - 1)] if i else []) + [("run", i)]
+        assert recorded_copies[len(forward):] == backward
 
 
 def _toy_pass(weights, x, extra):
@@ -120,13 +131,17 @@ def test_a_layer_with_two_inputs_gets_both_prefetched_and_none_copied_twice(reco
     weights = [torch.full((4,), 0.5 + i, requires_grad=True) for i in range(3)]
     x, extra = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
     _toy_pass(weights, x, extra).backward()
-    events = recorded_copies[6:]
-    assert [e[1] for e in recorded_copies[:6] if e[0] == "host"] == list(range(6))  # layer k: inputs 2k, 2k+1
-    assert sorted(e[1] for e in events if e[0] == "back") == list(range(6)), "each input copied back once"
+    end = max(i for i, e in enumerate(recorded_copies) if e[0] == "host") + 1
+    forward, events = recorded_copies[:end], recorded_copies[end:]
+    assert [e[1] for e in forward if e[0] == "host"] == list(range(6))  # layer k: inputs 2k, 2k+1
+    assert [e[1] for e in forward if e[0] == "release"] == list(range(4)), "layers 0 and 1 left the GPU"
+    assert sorted(e[1] for e in events if e[0] == "back") == list(range(4)), "each input copied back once"
+    assert sorted(e[1] for e in events if e[0] == "release") == [4, 5], "the last layer's, from the GPU"
     for layer in (0, 1):
-        # Taking back the first input of the layer after it starts both of its copies, before the next use.
-        first = next(i for i, e in enumerate(events) if e[0] == "use" and e[1] // 2 == layer + 1)
-        until = next(i for i in range(first + 1, len(events)) if events[i][0] == "use")
+        # Taking the first input of the layer after it starts both of its copies, before the next one is taken.
+        taken = [i for i, e in enumerate(events) if e[0] in ("use", "release")]
+        first = next(i for i in taken if events[i][1] // 2 == layer + 1)
+        until = next(i for i in taken if i > first)
         assert {("back", 2 * layer), ("back", 2 * layer + 1)} <= set(events[first + 1:until]), events
 
 
@@ -137,7 +152,7 @@ def test_a_new_forward_pass_never_prefetches_an_older_graphs_inputs(recorded_cop
     recorded_copies.clear()
     _toy_pass(weights, x, extra).backward()
     newer = {e[1] for e in recorded_copies if e[0] == "host"}
-    assert {e[1] for e in recorded_copies if e[0] == "back"} == newer
+    assert {e[1] for e in recorded_copies if e[0] in ("back", "release")} == newer
     older.backward()
 
 
@@ -157,7 +172,8 @@ def test_offloaded_inputs_keep_the_loss_and_every_gradient_bit_for_bit(
         recorded_copies.clear()
         model, device = _model(four_layers, tmp_path, offload_activations=offload)
         results[offload] = _loss_and_grads(model, device, seed=7)
-        assert len(recorded_copies) == (3 * LAYERS if offload else 0)  # to the host, back, used: once each
+        # Each to the host and let go on the GPU; all but the last layer's back and used.
+        assert len(recorded_copies) == (4 * LAYERS - 2 if offload else 0)
     (loss0, grads0), (loss1, grads1) = results[False], results[True]
     assert torch.equal(loss0, loss1)
     assert grads0.keys() == grads1.keys() and len(grads0) > 0

@@ -124,6 +124,8 @@ def test_planner_counts_both_levers():
     # Backward copies the next layer's input back while this layer is recomputed (activation_offload.py).
     assert offload.peak_phase == "layer backward" and "prefetched layer input" not in plain.parts
     assert offload.parts["prefetched layer input"] == 8 * 2048 * 2 * 4096
+    # The last layer's input stays on the GPU from its forward to its backward, through the loss.
+    assert offload.off_peak["last layer input"] == 8 * 2048 * 2 * 4096 and "last layer input" not in plain.off_peak
     for part in ("LoRA parameters", "LoRA gradients", "optimizer state"):
         assert bf16.parts[part] * 2 == plain.parts[part], part
 

@@ -154,6 +154,8 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
         parts["saved activations"] = arch.num_layers * tokens * layer
         layer_phase = {"backward working set": working_set(arch, s, tokens)}
     loss_phase = {"loss": loss_bytes(arch, s, tokens)}
+    if gradient_checkpointing and s.offload_activations:  # backward takes it from the GPU, not the host
+        loss_phase["last layer input"] = tokens * a * arch.hidden_size
     loss_peak = sum(loss_phase.values()) >= sum(layer_phase.values())
     at_peak, off = (loss_phase, layer_phase) if loss_peak else (layer_phase, loss_phase)
     parts.update(at_peak)
@@ -389,4 +391,5 @@ def describe_parts(arch: Architecture, s: Settings, tokens: int, n_lora: int, pa
             "saved activations": saved, "recomputed layer": "one layer's activations, rebuilt in backward",
             "backward working set": "gradients in flight in one layer's backward", "loss": loss,
             "prefetched layer input": "the next layer's input, copied back from the host ahead of its backward",
+            "last layer input": "the last decoder layer's input, kept on the GPU for its backward",
             "CUDA graphs": "what graphs added to the peak where measured (up to 0.13 GiB)"}
