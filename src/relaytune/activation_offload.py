@@ -12,6 +12,9 @@ A layer's inputs leave the GPU when the next layer starts: the compute stream wa
 (a layer's compute to finish it in), so their blocks go back to the compute stream's pool at once, where
 a `record_stream` would hold them until the host saw the copy done, as many layers later as the host runs
 ahead of the GPU. The last layer's inputs stay on the GPU until backward, which takes them from there.
+Measured on an H100 (Qwen2.5-3B QLoRA, micro-batch 4), that release changed little: 4.37 GiB reserved
+against 4.39 with `record_stream`, at the same tokens/s, allocated peak and losses; the 0.23 GiB more
+reserved than with the copies on the compute stream (4.14) does not come from the forward copies.
 The chain of layers restarts with each forward pass, so a prefetch never reaches into an older graph.
 
 Stream rules kept here (the caching allocators order reuse by stream, not by host time):
