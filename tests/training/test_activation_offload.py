@@ -11,6 +11,7 @@ gradients bit for bit over several steps, and leave no GPU memory behind.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -60,11 +61,11 @@ def _loss_and_grads(model, device, seed: int, rows: int = 3, seq: int = 17):
 def recorded_copies(monkeypatch):
     """The copy steps on the CPU, recorded: ("host", n) for the n-th input offloaded, ("release", n) for its
     GPU tensor let go, ("back", n) for a copy back started, ("use", n) for a copy back handed to backward."""
-    events, index = [], {}
+    events, index, numbers = [], {}, itertools.count()
 
     def copy_to_host(tensor):
         host = tensor.detach().clone()
-        index[id(host)] = len(index)
+        index[id(host)] = next(numbers)  # not len(index): a dead host tensor's id can come back
         events.append(("host", index[id(host)], tuple(tensor.shape)))
         return host, "copied"
 
