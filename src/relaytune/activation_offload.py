@@ -15,13 +15,15 @@ ahead of the GPU. The last layer's inputs stay on the GPU until backward, which 
 Measured on an H100 (Qwen2.5-3B QLoRA, micro-batch 4), that release changed little: 4.37 GiB reserved
 against 4.39 with `record_stream`, at the same tokens/s, allocated peak and losses; the 0.23 GiB more
 reserved than with the copies on the compute stream (4.14) does not come from the forward copies.
+A copy back is not recorded on the side stream either: the compute stream waits for it before the layer
+uses it, and a prefetch that backward never takes makes the compute stream wait as its item is dropped.
 The chain of layers restarts with each forward pass, so a prefetch never reaches into an older graph.
 
 Stream rules kept here (the caching allocators order reuse by stream, not by host time):
 - the side stream waits for the compute stream before reading a tensor it produced, and before writing
   into a block the compute stream handed out (its earlier users are queued there);
-- a layer input the side stream reads is kept until the compute stream has waited for its copy, and a
-  tensor it writes is recorded on it, so no block is reused before its copy;
+- a GPU tensor the side stream reads or writes is kept until the compute stream has waited for its copy,
+  so no block goes back to the compute stream's pool before its copy is done;
 - the compute stream waits for a copy's event before it uses the copied tensor;
 - the pinned host blocks record their copies' events themselves (torch's host allocator).
 A layer that wrote its input in place would race the copy to the host; autograd does not check saved
@@ -58,6 +60,12 @@ class Offloaded:
         self.source: torch.Tensor | None = source  # the GPU tensor, until the compute stream waits for `copied`
         self.reloaded: torch.Tensor | None = None
         self.ready = None  # the side stream's event after the copy back
+
+    def __del__(self):
+        # A prefetch that backward never took (it raised, or the graph was dropped) must not go back to the
+        # pool while its copy may still write into it: the compute stream, which reuses the block, waits first.
+        if self.reloaded is not None and self.reloaded.is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
 
 
 # Tensors on these devices go to the host (a CPU test sets "cpu", with the copies replaced, to follow the schedule).
@@ -144,7 +152,6 @@ def start_copy_back(item: Offloaded) -> None:
     with torch.cuda.stream(side):
         tensor.copy_(item.host, non_blocking=True)
         item.ready = side.record_event()
-    tensor.record_stream(side)  # a prefetch that backward never takes (it raised) is freed after its copy
     item.reloaded = tensor
 
 

@@ -208,3 +208,33 @@ def test_cuda_side_stream_copies_keep_every_gradient_bit_for_bit_and_free_their_
         assert torch.equal(loss0, loss1)
         for name, grad in grads0.items():
             assert torch.equal(grad, grads1[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copies to pinned memory need CUDA")
+def test_cuda_a_backward_that_raises_with_a_prefetch_in_flight_leaves_the_next_step_exact(tmp_path, monkeypatch):
+    """A prefetch that backward never takes goes back to the pool after its copy: the step after a raised
+    backward gives plain checkpointing's loss and gradients bit for bit, and no GPU memory stays behind."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    folder = make_tiny_model(tmp_path / "model", layers=LAYERS, hidden=256, intermediate=512, heads=4, kv_heads=2)
+    monkeypatch.setattr(activation_offload, "_side_streams", {})
+    plain, device = _model(folder, tmp_path, offload_activations=False, bf16=False)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = _loss_and_grads(plain, device, seed=5, rows=8, seq=1024)
+        model, _ = _model(folder, tmp_path, offload_activations=True, bf16=False)
+        _loss_and_grads(model, device, seed=4, rows=8, seq=1024)  # the first step's allocations
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        weight = next(p for n, p in model.named_parameters() if "layers.2." in n and "lora_A" in n)
+        handle = weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("stop in layer 2")))
+        try:  # layer 2's backward has started layer 1's prefetch when the hook raises
+            _loss_and_grads(model, device, seed=6, rows=8, seq=1024)
+        except RuntimeError as error:
+            assert str(error) == "stop in layer 2"
+        handle.remove()
+        got = _loss_and_grads(model, device, seed=5, rows=8, seq=1024)
+        torch.cuda.synchronize()
+    assert torch.equal(expected[0], got[0])
+    for name, grad in expected[1].items():
+        assert torch.equal(grad, got[1][name]), name
+    assert torch.cuda.memory_allocated() == before, "the raised step left GPU memory behind"
