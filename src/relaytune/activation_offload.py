@@ -12,11 +12,12 @@ A layer's inputs leave the GPU when the next layer starts: the compute stream wa
 (a layer's compute to finish it in), so their blocks go back to the compute stream's pool at once, where
 a `record_stream` would hold them until the host saw the copy done, as many layers later as the host runs
 ahead of the GPU. The last layer's inputs stay on the GPU until backward, which takes them from there.
-Measured on an H100 (Qwen2.5-3B QLoRA, micro-batch 4), that release changed little: 4.37 GiB reserved
-against 4.39 with `record_stream`, at the same tokens/s, allocated peak and losses; the 0.23 GiB more
-reserved than with the copies on the compute stream (4.14) does not come from the forward copies.
 A copy back is not recorded on the side stream either: the compute stream waits for it before the layer
 uses it, and a prefetch that backward never takes makes the compute stream wait as its item is dropped.
+It was the copies back that held the blocks: on an H100, Qwen2.5-3B QLoRA at micro-batch 4 reserved
+4.37 GiB with them recorded and 4.16 without, as much as with every copy on the compute stream, at the
+same tokens/s, allocated peak and losses (Llama-3-8B QLoRA: 6.18 GiB, as on the compute stream, where
+another H100 had reserved 6.54 with them recorded); the forward release alone had saved 0.02 GiB.
 The chain of layers restarts with each forward pass, so a prefetch never reaches into an older graph.
 
 Stream rules kept here (the caching allocators order reuse by stream, not by host time):

@@ -5,7 +5,8 @@ to the host, in forward order, and each leaves the GPU as the next layer starts;
 layer's input from the GPU and each other one back from the host, and taking layer i's starts layer
 i-1's copy (one prefetch, never an input of an earlier step); the loss and every gradient are bit for
 bit those of plain checkpointing. On a GPU (fp32): the real side-stream copies give the same loss and
-gradients bit for bit over several steps, and leave no GPU memory behind.
+gradients bit for bit over several steps, and after a backward that raised with a prefetch in flight,
+and leave no GPU memory behind.
 """
 
 from __future__ import annotations
