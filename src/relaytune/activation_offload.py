@@ -65,6 +65,8 @@ class Offloaded:
     def __del__(self):
         # A prefetch that backward never took (it raised, or the graph was dropped) must not go back to the
         # pool while its copy may still write into it: the compute stream, which reuses the block, waits first.
+        # A dropped input still on the GPU needs no wait: its copy only reads it, into a pinned block that
+        # the host allocator keeps until that copy is done and that nothing else reads.
         if self.reloaded is not None and self.reloaded.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready)
 
