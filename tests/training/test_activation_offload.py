@@ -226,8 +226,11 @@ def test_cuda_a_backward_that_raises_with_a_prefetch_in_flight_leaves_the_next_s
         _loss_and_grads(model, device, seed=4, rows=8, seq=1024)  # the first step's allocations
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
+        def stop(grad):
+            raise RuntimeError("stop in layer 2")
+
         weight = next(p for n, p in model.named_parameters() if "layers.2." in n and "lora_A" in n)
-        handle = weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("stop in layer 2")))
+        handle = weight.register_hook(stop)
         try:  # layer 2's backward has started layer 1's prefetch when the hook raises
             _loss_and_grads(model, device, seed=6, rows=8, seq=1024)
         except RuntimeError as error:
