@@ -16,6 +16,10 @@
 #   device run: bash bench/vs_trl_cases.sh offload-qlora swiglu-qlora lowmem-qlora offload-llama swiglu-llama lowmem-llama
 #               (relaytune alone: which of Liger's two kernels costs the lowmem settings' tokens/s; a compiled
 #               layer already saves the norm's input in bf16, so the plan counts no saving for rms_norm)
+#   device run: bash bench/vs_trl_cases.sh aim-swiglu-qlora aim-swiglu-llama   (the aim cases with Liger's SwiGLU
+#               alone, beside TRL and TRL + Liger)
+#   device run: bash bench/vs_trl_cases.sh offload-qlora-b16 offload-qlora-b32 swiglu-qlora-b32   (relaytune alone,
+#               uncapped, unpacked: the memory plan's offload residual and SwiGLU saving at large micro-batches)
 # Each report ends with its command and wall time; the tables print as they finish.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -52,12 +56,21 @@ for case in "$@"; do
                      --relaytune-set offload_activations=true) ;;
     aim-llama) args=(--arch llama-3-8b --quant 4bit --batch 2 --relaytune-liger
                      --relaytune-set offload_activations=true) ;;
+    aim-swiglu-qlora) args=(--arch qwen2.5-3b --quant 4bit --batch 4 --relaytune-liger swiglu
+                            --relaytune-set offload_activations=true) ;;
+    aim-swiglu-llama) args=(--arch llama-3-8b --quant 4bit --batch 2 --relaytune-liger swiglu
+                            --relaytune-set offload_activations=true) ;;
+    offload-qlora-b16|offload-qlora-b32|swiglu-qlora-b32)  # uncapped, unpacked as cap32: the plan's large batches
+      args=(--arch qwen2.5-3b --quant 4bit --batch "${case##*-b}" --systems relaytune
+            --relaytune-set offload_activations=true)
+      [[ $case == swiglu-* ]] && args+=(--relaytune-liger swiglu)
+      common=(--steps 3 --warmup 1) ;;
     cap32) args=(--arch qwen2.5-3b --quant 4bit --cap-gib 14.5 --search 32 --systems relaytune --relaytune-liger
                  --relaytune-set offload_activations=true)
            common=(--steps 3 --warmup 1) ;;  # unpacked, as TRL's 16 at this cap was measured
     *) echo "unknown case $case (lora, qlora, llama, s512, liger-nockpt, offload-qlora[-compute]," \
             "offload-llama[-compute], lowmem-qlora, lowmem-llama, swiglu-qlora, swiglu-llama, aim-qlora, aim-llama," \
-            "cap32)" >&2
+            "aim-swiglu-qlora, aim-swiglu-llama, offload-qlora-b16, offload-qlora-b32, swiglu-qlora-b32, cap32)" >&2
        exit 2 ;;
   esac
   start=$(date +%s)

@@ -223,13 +223,13 @@ class TrainConfig(BaseModel):
     traffic each step, which a side CUDA stream overlaps with the layers' compute (the next layer's input
     is copied back ahead). Needs gradient_checkpointing. Same maths, so changing it on resume is allowed."""
     liger_kernels: list[Literal["rms_norm", "swiglu"]] = []
-    """Liger's Triton kernels for the decoder layers' RMSNorm and SwiGLU MLP (LoRA keeps the gate, up and
-    down layers), for less activation memory at fewer tokens/s. H100, with offload_activations:
-    Qwen2.5-3B QLoRA seq 2048 3.94 -> 3.51 GiB at 6% fewer tokens/s, and micro-batch 32 fit a 14.5 GiB
-    cap (16 without them). Llama, Mistral, Qwen2 and Qwen3 models on CUDA GPUs, with the liger-kernel
-    package; the checkpoint stays outside the compiled layers, and CUDA graphs stay off. The memory
-    plan counts their SwiGLU's saving at the least measured. Same maths within rounding, so changing it on
-    resume is allowed."""
+    """Liger's Triton kernels for the decoder layers' SwiGLU MLP and RMSNorm (LoRA keeps the gate, up and
+    down layers), for less activation memory at fewer tokens/s. [swiglu] is the one that saves: H100, with
+    offload_activations, Qwen2.5-3B QLoRA seq 2048 3.97 -> 3.51 GiB at 5% fewer tokens/s; rms_norm adds
+    no saving to compiled layers (the default on a GPU) and costs 2% more. Llama, Mistral, Qwen2 and
+    Qwen3 models on CUDA GPUs, with the liger-kernel package; the checkpoint stays outside the compiled
+    layers, and CUDA graphs stay off. The memory plan counts SwiGLU's saving at the least measured. Same
+    maths within rounding, so changing it on resume is allowed."""
     adapter_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the LoRA weights, their gradients and their AdamW state. bfloat16 halves that memory
     (Llama-3-8B all-linear r16: 0.31 GiB) as TRL and the QLoRA reference code do for 4-bit bases,

@@ -27,6 +27,8 @@ BACKWARD_CHECKPOINT_INSIDE = 3.5
 # which takes up to 2 units of a x I per token off the compiled backward. Measured on an H100 with
 # offload_activations (bench/results/vs-trl-h200.md, fifth session): 2.56 units for Qwen2.5-3B QLoRA and
 # 1.65 for Llama-3-8B QLoRA (micro-batches 4 and 2 x 2048 tokens); the least, rounded down, is counted.
+# SwiGLU alone on H100s (ninth session of 2026-12-06) saved 2.74 and 2.00 units in the same cases and 2.81 for
+# Qwen2.5-3B at micro-batch 32, more than the two gradients explain (not traced); the least still rules.
 # RMSNorm's kernel saves the norm's input in the compute dtype, as a compiled layer already does.
 LIGER_SWIGLU_IN_PLACE = 1.5
 BACKWARD_FIXED = int(0.08 * GIB)  # cuBLAS workspaces and a dequantized weight, whatever the batch
