@@ -65,8 +65,24 @@ def test_plan_when_nothing_fits_says_what_to_change(tmp_path, capsys):
     assert "nothing fits, not even micro-batch 1" in out
     changes = dict(re.findall(r"^    - (.+): (\d+\.\d+ GiB \(.+\))$", out, re.M))
     assert set(changes) >= {"load_in_4bit: true", "optim: paged_adamw_8bit", "gradient_checkpointing: true",
-                            "offload_activations: true (with gradient_checkpointing: true)", "all of the above"}
+                            "offload_activations: true (with gradient_checkpointing: true)",
+                            "liger_kernels: [swiglu] (pip install liger-kernel)", "all of the above"}
     assert changes["all of the above"].endswith("(fits)")
+    at_one = float(re.search(r"nothing fits, not even micro-batch 1 \((\d+\.\d+) GiB", out).group(1))
+    assert float(changes["liger_kernels: [swiglu] (pip install liger-kernel)"].split()[0]) < at_one
+
+
+@pytest.mark.parametrize("model,overrides", [
+    ("google/gemma-2-9b", ()),  # Liger's patch for Gemma is not one relaytune applies
+    (LLAMA8B, ("torch_compile=false",)),  # the saving was measured in compiled layers only
+    (LLAMA8B, ("liger_kernels=[swiglu]",)),
+])
+def test_plan_offers_liger_swiglu_only_where_relaytune_runs_it_and_counts_it(tmp_path, capsys, model, overrides):
+    cfg = write_config(tmp_path, model=model, gradient_checkpointing=False, max_seq_length=4096,
+                       per_device_train_batch_size=2, gradient_accumulation_steps=8)
+    out = run_plan(capsys, str(cfg), *overrides)
+    assert "nothing fits, not even micro-batch 1" in out
+    assert "liger_kernels: [swiglu]" not in out.split("what would help")[1]
 
 
 def test_plan_offers_offloading_when_it_fits_a_larger_micro_batch(tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from relaytune.liger import PATCHES as LIGER_MODEL_TYPES
 from relaytune.plan.architectures import Architecture
 from relaytune.plan.gpus import Gpu
 from relaytune.plan.memory import GIB, MemoryEstimate, Settings, estimate_memory
@@ -76,9 +77,12 @@ def changes_when_nothing_fits(arch: Architecture, settings: Settings, gpu: Gpu,
     if not settings.offload_activations:
         what = "offload_activations: true" + ("" if gradient_checkpointing else " (with gradient_checkpointing: true)")
         options.append((what, replace(settings, offload_activations=True), True))
+    swiglu = with_liger_swiglu(arch, settings)
+    if swiglu is not settings:
+        options.append(("liger_kernels: [swiglu] (pip install liger-kernel)", swiglu, gradient_checkpointing))
     out = [_change(arch, s, gpu, gc, what) for what, s, gc in options]
     # Everything above at once; a shorter sequence is proposed only if that is not enough.
-    combined = replace(settings, quantization="nf4", optim="paged_adamw_8bit", offload_activations=True)
+    combined = replace(swiglu, quantization="nf4", optim="paged_adamw_8bit", offload_activations=True)
     if len(options) > 1:
         out.append(_change(arch, combined, gpu, True, "all of the above"))
     if options and fit_status(estimate_memory(arch, combined, 1, True), gpu) == FITS:
@@ -88,6 +92,15 @@ def changes_when_nothing_fits(arch: Architecture, settings: Settings, gpu: Gpu,
         prefix = ("with all of the above, " if len(options) > 1 else f"with {options[0][0]}, " if options else "")
         out.append(_change(arch, replace(combined, max_seq_length=seq), gpu, True, f"{prefix}max_seq_length: {seq}"))
     return out
+
+
+def with_liger_swiglu(arch: Architecture, settings: Settings) -> Settings:
+    """`settings` with Liger's SwiGLU added where relaytune can put it on this model and the plan counts its
+    saving (compiled layers; measured there only); the same object where not. Beside Liger's kernels the
+    checkpoint stays outside the layers and CUDA graphs stay off, as relaytune runs them."""
+    if not settings.compiled_layers or "swiglu" in settings.liger_kernels or arch.model_type not in LIGER_MODEL_TYPES:
+        return settings
+    return replace(settings, liger_kernels=(*settings.liger_kernels, "swiglu"), compile_checkpoint="off", graphs="off")
 
 
 def _change(arch, settings, gpu, gc, what) -> Change:
