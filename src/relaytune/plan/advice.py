@@ -96,11 +96,10 @@ def changes_when_nothing_fits(arch: Architecture, settings: Settings, gpu: Gpu,
 
 def with_liger_swiglu(arch: Architecture, settings: Settings) -> Settings:
     """`settings` with Liger's SwiGLU added where relaytune can put it on this model and the plan counts its
-    saving (compiled layers; measured there only); the same object where not. Beside Liger's kernels the
-    checkpoint stays outside the layers and CUDA graphs stay off, as relaytune runs them."""
+    saving (compiled layers; measured there only); the same object where not."""
     if not settings.compiled_layers or "swiglu" in settings.liger_kernels or arch.model_type not in LIGER_MODEL_TYPES:
         return settings
-    return replace(settings, liger_kernels=(*settings.liger_kernels, "swiglu"), compile_checkpoint="off", graphs="off")
+    return replace(settings, liger_kernels=(*settings.liger_kernels, "swiglu"))
 
 
 def _change(arch, settings, gpu, gc, what) -> Change:

@@ -145,7 +145,9 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
         graphs = replays_graphs(arch, s, tokens)
         if graphs:
             parts["CUDA graphs"] = GRAPHS_EXTRA
-        inside = checkpoint_inside(arch, s) and s.compiled_layers and not graphs and not s.offload_activations
+        # Offloaded inputs and Liger's kernels keep the checkpoint outside the layer (speedups.py), as graphs do.
+        inside = (checkpoint_inside(arch, s) and s.compiled_layers and not graphs and not s.offload_activations
+                  and not s.liger_kernels)
         layer_phase = {"recomputed layer": tokens * layer,
                        "backward working set": working_set(arch, s, tokens, inside)}
         if s.offload_activations:  # the copy back of the next layer's input starts as this one's recompute does
@@ -170,7 +172,7 @@ def estimate_memory(arch: Architecture, settings: Settings, micro_batch: int,
 
 def replays_graphs(arch: Architecture, s: Settings, tokens: int) -> bool:
     """cuda_graphs in force at this micro-batch (training/cuda_graphs.py's rule, with checkpointing on)."""
-    if s.offload_activations or s.graphs == "off":
+    if s.offload_activations or s.liger_kernels or s.graphs == "off":
         return False
     weights = sum(m.in_features * m.out_features for m in arch.layer_linears())
     return s.graphs == "on" or (s.graphs_peak_flops > 0 and auto_turns_on(weights, tokens, s.graphs_peak_flops))
