@@ -13,6 +13,8 @@ resumed run's checkpoints after the stop hold the same scaler state as the unint
     python bench/fp16_proof.py --phase bf16           # one phase at a time (each writes WORK/fp16/<phase>.json)
     python bench/fp16_proof.py --phase report         # combine what the phases wrote
     python bench/fp16_proof.py --arch tiny --steps 40 # CPU smoke test of this script (fp32 on the CPU: no scaler)
+    python bench/fp16_proof.py --low-memory --steps 60  # the same with what `relaytune plan` offers a T4 when
+                                                        # nothing fits (LOW_MEMORY below); its own folder and report
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from gpu_bench import WORK, build_model, pattern_data  # noqa: E402
 from relaytune.observe.metrics import parse_records  # noqa: E402
 
 OUT = WORK / "fp16"
+# The settings `relaytune plan` proposes when nothing fits, which a T4 runs in fp16.
+LOW_MEMORY = {"offload_activations": True, "liger_kernels": ["swiglu"]}
 # Two curves agree at a step when |a - b| <= rel x |b| + abs. The absolute floor matters once the pattern
 # is learned: at a loss of 2e-4 a difference of 1e-4 is rounding, not divergence.
 TOLERANCE = (0.05, 2e-3)  # fp16 vs bf16 after step 20 (the two formats round differently)
@@ -50,13 +54,15 @@ def config(args, name: str, precision: str) -> dict:
     model = build_model(args.arch)
     seq = args.seq
     data = pattern_data(args.batch * (args.steps + 2), seq)
-    cfg = dict(model=str(model), dataset=str(data), output_dir=str(OUT / "runs" / name), max_steps=args.steps,
+    cfg = dict(model=str(model), dataset=str(data), output_dir=str(out_dir(args) / "runs" / name), max_steps=args.steps,
                per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, max_seq_length=seq,
                logging_steps=1, save_steps=10, save_total_limit=None, save_every_seconds=0, learning_rate=2e-4,
                lora_r=16, lora_alpha=32, lora_dropout=0.0, gradient_checkpointing=True, seed=7)
     if args.arch != "tiny":
         cfg.update(load_in_4bit=True, optim="paged_adamw_8bit")
     cfg.update({"fp16": True, "bf16": False} if precision == "fp16" else {"bf16": True, "fp16": False})
+    if args.low_memory:
+        cfg.update(LOW_MEMORY)
     return cfg
 
 
@@ -124,7 +130,8 @@ def scaler_states(run: Path) -> dict[int, dict | None]:
 
 
 def run_phase(args, phase: str) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
+    out.mkdir(parents=True, exist_ok=True)
     precision = "bf16" if phase == "bf16" else "fp16"
     cfg = config(args, phase, precision)
     shutil.rmtree(cfg["output_dir"], ignore_errors=True)
@@ -144,13 +151,18 @@ def run_phase(args, phase: str) -> None:
     result.update(seconds=round(time.time() - t0, 1), curve=curve(run), scalers=scaler_states(run),
                   scaler_skips=[e for e in events if e["event"] == "scaler_skip"],
                   other_events=[e for e in events if e["event"] != "scaler_skip"])
-    (OUT / f"{phase}.json").write_text(json.dumps(result))
+    (out / f"{phase}.json").write_text(json.dumps(result))
     print(f"# {phase}: {result['seconds']}s", file=sys.stderr)
 
 
+def out_dir(args) -> Path:
+    return OUT.with_name("fp16-low-memory") if args.low_memory else OUT
+
+
 def report(args) -> int:
-    got = {p: json.loads((OUT / f"{p}.json").read_text()) for p in ("bf16", "fp16", "resume")
-           if (OUT / f"{p}.json").exists()}
+    out = out_dir(args)
+    got = {p: json.loads((out / f"{p}.json").read_text()) for p in ("bf16", "fp16", "resume")
+           if (out / f"{p}.json").exists()}
     bf16 = {int(k): v for k, v in got.get("bf16", {}).get("curve", {}).items()}
     fp16 = {int(k): v for k, v in got.get("fp16", {}).get("curve", {}).items()}
     res = {int(k): v for k, v in got.get("resume", {}).get("curve", {}).items()}
@@ -203,9 +215,15 @@ def report(args) -> int:
     if args.arch != "tiny" and len(got) == 3:
         results = HERE / "results"
         results.mkdir(exist_ok=True)
-        (results / "fp16-proof.md").write_text(
-            "# fp16 (T4 path) vs bf16, Qwen2.5-3B QLoRA under a 14.5 GiB cap on an H200\n\n"
-            f"`python bench/fp16_proof.py --seq {args.seq} --steps {args.steps}`\n\n```\n" + "\n".join(lines)
+        name, title, flag = ("fp16-proof-low-memory.md", f", with {json.dumps(LOW_MEMORY)}", " --low-memory") \
+            if args.low_memory else ("fp16-proof.md", "", "")
+        import torch
+
+        (results / name).write_text(
+            f"# fp16 (T4 path) vs bf16, Qwen2.5-3B QLoRA under a 14.5 GiB cap{title}\n\n"
+            f"On {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'the CPU'}, "
+            f"torch {torch.__version__}.\n\n"
+            f"`python bench/fp16_proof.py{flag} --seq {args.seq} --steps {args.steps}`\n\n```\n" + "\n".join(lines)
             + "\n```\n\n```json\n" + json.dumps(summary, indent=1) + "\n```\n")
     return 0 if ok and not missing else 1
 
@@ -220,6 +238,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--stop-at", type=int, default=None, help="SIGTERM after this step (default: steps/2 + 3)")
     p.add_argument("--cap-gib", type=float, default=14.5)
+    p.add_argument("--low-memory", action="store_true",
+                   help=f"add {json.dumps(LOW_MEMORY)} to every run (its own folder and results file)")
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args()
     phase = args.phase_opt or args.phase
