@@ -14,6 +14,8 @@ notebook, an evaluation without liger_kernels) gets transformers' own layers."""
 from __future__ import annotations
 
 import importlib
+import logging
+import warnings
 from contextlib import contextmanager
 
 from relaytune.errors import UserError
@@ -66,6 +68,7 @@ def apply_liger_kernels(model, kernels, liger) -> bool:
         getattr(liger, PATCHES[model_type])(model=model, rope=False, cross_entropy=False,
                                             fused_linear_cross_entropy=False,
                                             **{name: name in kernels for name in KERNELS})
+    quiet_dynamo_about_liger()
     names = {"rms_norm": "RMSNorm", "swiglu": "SwiGLU MLP"}
     applied = " and ".join(names[k] for k in KERNELS if k in kernels)
     info(f"liger_kernels: Liger's {applied} in every decoder layer")
@@ -86,3 +89,35 @@ def module_restored(name: str):
         for key, value in before.items():
             if vars(module).get(key) is not value:
                 setattr(module, key, value)
+
+
+class _LigerKernelReadFailure(logging.Filter):
+    """Drops torch's warning that it could not read which tensors one of Liger's SwiGLU kernels writes.
+
+    The traceback's frames are torch's and Triton's; only the error names the kernel: Triton's
+    CompilationError carries the kernel's source (`src`)."""
+
+    KERNELS = ("def _swiglu_forward_kernel(", "def _swiglu_backward_kernel(")  # liger_kernel/ops/swiglu.py
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "assuming every input is mutated" not in record.getMessage() or not record.exc_info:
+            return True
+        source = getattr(record.exc_info[1], "src", None)
+        return not (isinstance(source, str) and any(kernel in source for kernel in self.KERNELS))
+
+
+def quiet_dynamo_about_liger() -> None:
+    """Keep compiled layers' first step from printing torch's notes on Liger's kernels.
+
+    Dynamo reads a Triton kernel's IR to learn which tensors it writes. For Liger's SwiGLU kernels
+    that read fails (torch 2.11, liger-kernel 0.8.5), so Dynamo assumes every input is written and
+    logs a ~100-line traceback per kernel and compile. The cost was measured: running Liger's function
+    outside Dynamo altogether changed tokens/s by under 1% (bench/results/vs-trl-h200.md, 2026-12-06
+    tenth session). Dynamo also warns that it traces through Liger's `functools.lru_cache`'d device
+    lookup, which returns the same device string every call.
+    """
+    dynamo_log = logging.getLogger("torch._dynamo")  # triton_kernel_wrap.py logs through Dynamo's logger
+    if not any(isinstance(f, _LigerKernelReadFailure) for f in dynamo_log.filters):
+        dynamo_log.addFilter(_LigerKernelReadFailure())
+    warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`-wrapped function "
+                            r"at 'swiglu.py")

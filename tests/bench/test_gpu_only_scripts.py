@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
      "flex_graphs_trajectory.py needs a GPU: FlexAttention's backward and CUDA graphs run there only."),
     ("bf16_gradient_error.py", "bf16_gradient_error.py needs a CUDA GPU."),
     ("flex_decoding_check.py", "flex_decoding_check.py needs a CUDA GPU."),
+    ("liger_swiglu_compiled.py", "liger_swiglu_compiled.py needs a CUDA GPU: Liger's kernels are Triton's."),
 ])
 def test_without_a_gpu_the_script_says_it_needs_one(script, reason):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script)], capture_output=True, text=True, timeout=120)

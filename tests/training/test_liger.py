@@ -9,6 +9,7 @@ transformers' own layers. The CUDA test compares loss and gradients with and wit
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -20,7 +21,7 @@ from transformers.models.llama import modeling_llama
 from relaytune.config.loader import load_config
 from relaytune.config.schema import TrainConfig
 from relaytune.errors import UserError
-from relaytune.liger import apply_liger_kernels, load_liger
+from relaytune.liger import apply_liger_kernels, load_liger, quiet_dynamo_about_liger
 from relaytune.model import choose_precision, load_model
 
 CUDA = torch.device("cuda")
@@ -118,9 +119,11 @@ def test_liger_s_class_swap_is_undone_and_its_instance_patch_kept(tiny_model, mo
     fake.apply_liger_kernel_to_llama = apply_liger_kernel_to_llama
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    monkeypatch.setattr(logging.getLogger("torch._dynamo"), "filters", [])
     model = _base(tiny_model)
 
     assert apply_liger_kernels(model, ["swiglu"], load_liger(["swiglu"], CUDA)) is True
+    assert [type(f).__name__ for f in logging.getLogger("torch._dynamo").filters] == ["_LigerKernelReadFailure"]
 
     assert calls == [{"rope": False, "cross_entropy": False, "fused_linear_cross_entropy": False,
                       "rms_norm": False, "swiglu": True}]
@@ -128,6 +131,40 @@ def test_liger_s_class_swap_is_undone_and_its_instance_patch_kept(tiny_model, mo
     assert not hasattr(modeling_llama, "liger_added_name")
     assert all(layer.mlp.forward.__func__ is liger_forward for layer in model.model.layers)
     assert type(_base(tiny_model).model.layers[0].mlp) is original_mlp
+
+
+def test_torchs_traceback_for_a_liger_kernel_it_cannot_read_is_dropped_and_others_kept(monkeypatch):
+    """Dynamo logs a traceback when it cannot read which tensors a Triton kernel writes; on the H100 that
+    was Liger's SwiGLU kernels failing at `gate_multiplier.to(...)`, ~100 lines per kernel and compile."""
+    log = logging.getLogger("torch._dynamo")
+    monkeypatch.setattr(log, "filters", [])
+    quiet_dynamo_about_liger()
+    quiet_dynamo_about_liger()
+    assert len(log.filters) == 1
+    kept = []
+    handler = logging.Handler()
+    handler.emit = kept.append
+    log.addHandler(handler)
+
+    class CompilationError(Exception):  # Triton's: the kernel's source, the node, the message
+        def __init__(self, src):
+            super().__init__("at 15:78: AttributeError(\"'float' object has no attribute 'to'\")")
+            self.src = src
+
+    try:
+        for source in ("@triton.jit\ndef _swiglu_forward_kernel(\n    a_ptr, b_ptr, c_ptr, stride, gate_multiplier",
+                       "@triton.jit\ndef my_kernel(x_ptr, scale):", None):
+            try:
+                raise CompilationError(source)
+            except CompilationError:
+                log.warning("Encountered an exception in identify_mutated_tensors, assuming every input is mutated",
+                            exc_info=True)
+        log.warning("another warning")
+    finally:
+        log.removeHandler(handler)
+    assert [(r.getMessage()[:22], r.exc_info and r.exc_info[1].src) for r in kept] == [
+        ("Encountered an excepti", "@triton.jit\ndef my_kernel(x_ptr, scale):"), ("Encountered an excepti", None),
+        ("another warning", None)]
 
 
 def test_no_kernels_asked_imports_and_touches_nothing(tiny_model, monkeypatch):
