@@ -31,6 +31,7 @@ import socket
 import uuid
 from contextlib import contextmanager
 
+from relaytune.distributed.world import LAUNCHER_PID, die_with_parent
 from relaytune.errors import StoppedEarly, TrainingDiverged, UserError
 from relaytune.log import info
 
@@ -108,6 +109,8 @@ def launch(run, nproc: int, config, fresh: bool, overrides: dict, max_restarts: 
         info(f"starting {nproc} workers ({'GPUs' if torch.cuda.is_available() else 'CPU processes, gloo'}), "
              f"up to {max_restarts} restarts after a crash")
         os.environ["RELAYTUNE_LAUNCHED"] = "1"  # the workers know the launcher holds the lock
+        if start in ("fork", "spawn"):  # the workers are this process's children (not a forkserver's)
+            os.environ[LAUNCHER_PID] = str(os.getpid())
         since = _sessions_size(run)
         previous = _forward_signals()
         try:
@@ -119,6 +122,7 @@ def launch(run, nproc: int, config, fresh: bool, overrides: dict, max_restarts: 
                                f"the last committed checkpoint is intact.\n{e.format_msg()}") from None
         finally:
             os.environ.pop("RELAYTUNE_LAUNCHED", None)
+            os.environ.pop(LAUNCHER_PID, None)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     return _result(run, answers)
@@ -197,6 +201,7 @@ def peer_lost() -> bool:
 def worker(config, fresh: bool, overrides: dict) -> dict:
     """One rank: the same train() as a single process, in worker mode (RANK/WORLD_SIZE are set).
     The run's own endings are returned, not raised, so the agent restarts only real crashes."""
+    die_with_parent()  # first: the launcher may already be gone (world.py says why)
     from relaytune.training.recipe import train
 
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0

@@ -283,19 +283,28 @@ def _attempt_store(world: World, timeout):
     return dist.PrefixStore(f"relaytune/attempt-{attempt}", shared)
 
 
+LAUNCHER_PID = "RELAYTUNE_LAUNCHER_PID"  # set by relaytune's launcher for the workers it starts
+
+
 def die_with_parent() -> None:
     """A worker whose launcher is killed (SIGKILL leaves no time to stop it) must not go on
-    training beside the re-run: ask the kernel to SIGKILL it when its parent dies (Linux)."""
+    training beside the re-run, nor hold the run's lock: ask the kernel to SIGKILL it when its
+    parent dies (Linux).
+
+    A launcher killed between starting a worker and this request has already left the worker
+    re-parented (to init or a subreaper), and getppid() alone cannot tell: the worker would wait
+    for its dead peers for the process group's timeout, holding the lock it inherited. So under
+    relaytune's launcher the parent must be the launcher's pid, which it passes in the environment."""
     try:
         import ctypes
         import signal
 
         libc = ctypes.CDLL(None, use_errno=True)
-        parent = os.getppid()
+        parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before the request took effect
             os.kill(os.getpid(), signal.SIGKILL)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, ValueError):
         pass
 
 
