@@ -112,13 +112,35 @@ class ForkedRun:
         try:
             reply = self.server.reply(timeout)
         except TimeoutError:
+            hung = process_tree(self.pid)  # before the kill: what each process of the run was waiting in
             os.kill(self.pid, signal.SIGKILL)
             self.server.reply(60)
             self.server.running = None
-            raise TimeoutError(f"relaytune {' '.join(self.argv)} ran over {timeout} s") from None
+            err = self.files[1].read_text(encoding="utf-8", errors="replace")[-3000:]
+            raise TimeoutError(f"relaytune {' '.join(self.argv)} ran over {timeout} s\nits processes then:\n{hung}"
+                               f"\nthe end of its stderr:\n{err}") from None
         self.server.running = None
         out, err = (p.read_text(encoding="utf-8", errors="replace") for p in self.files)
         return subprocess.CompletedProcess(["relaytune", *self.argv], reply["rc"], out, err)
+
+
+def process_tree(root: int) -> str:
+    """One line per process under `root` (itself included): pid, state, kernel wait channel, threads,
+    command line; to say where a run that timed out was stuck."""
+    lines, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        proc = Path(f"/proc/{pid}")
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            wchan = (proc / "wchan").read_text() or "-"
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            lines.append(f"  {pid} {stat[0]} {wchan} threads={stat[17]} {cmd}")
+            for task in (proc / "task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return "\n".join(lines)
 
 
 class ForkServer:
