@@ -4,7 +4,8 @@ refused for as long as it waits for its dead peers (the process group's 30-minut
 ten-launcher-kill test met this once (the lock still held 30 s after a kill).
 
 Real processes and a real SIGKILL: a stand-in launcher starts a worker and is killed before the worker
-makes its request; the worker then reports whether it survived the request."""
+makes its request; the worker then reports whether it survived the request. And a forked worker makes
+the request without looking libc up (the launcher did, before the fork)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,29 @@ def test_without_the_launcher_s_pid_the_request_cannot_tell_its_parent_died(tmp_
     launcher died: the worker lives on. This is what the launcher's pid is for."""
     survived, _ = orphan(tmp_path, "silent")
     assert survived
+
+
+def test_a_forked_worker_asks_without_looking_up_libc(monkeypatch):
+    """The launcher looks prctl up before it forks (launch.py); the forked worker only calls it."""
+    import ctypes
+
+    from relaytune.distributed.world import die_with_parent, libc_prctl
+
+    prctl = libc_prctl()  # as the launcher does
+
+    def lookup(*args, **kwargs):
+        raise RuntimeError("looked up libc after the fork")
+
+    monkeypatch.setattr(ctypes, "CDLL", lookup)
+    monkeypatch.delenv("RELAYTUNE_LAUNCHER_PID", raising=False)
+    pid = os.fork()
+    if pid == 0:  # the worker: ask, then report the signal its parent's death would send
+        try:
+            die_with_parent()
+            asked = ctypes.c_int()
+            prctl(2, ctypes.byref(asked))  # PR_GET_PDEATHSIG
+            os._exit(asked.value)
+        except BaseException:
+            os._exit(99)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == signal.SIGKILL

@@ -31,7 +31,7 @@ import socket
 import uuid
 from contextlib import contextmanager
 
-from relaytune.distributed.world import LAUNCHER_PID, die_with_parent
+from relaytune.distributed.world import LAUNCHER_PID, die_with_parent, libc_prctl
 from relaytune.errors import StoppedEarly, TrainingDiverged, UserError
 from relaytune.log import info
 
@@ -111,6 +111,10 @@ def launch(run, nproc: int, config, fresh: bool, overrides: dict, max_restarts: 
         os.environ["RELAYTUNE_LAUNCHED"] = "1"  # the workers know the launcher holds the lock
         if start in ("fork", "spawn"):  # the workers are this process's children (not a forkserver's)
             os.environ[LAUNCHER_PID] = str(os.getpid())
+        try:
+            libc_prctl()  # before the forks (world.py says why)
+        except (OSError, AttributeError):
+            pass
         since = _sessions_size(run)
         previous = _forward_signals()
         try:

@@ -14,6 +14,7 @@ whose peer ran out of memory mid-backward; here the ranks first agree that nobod
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -295,17 +296,27 @@ def die_with_parent() -> None:
     re-parented (to init or a subreaper), and getppid() alone cannot tell: the worker would wait
     for its dead peers for the process group's timeout, holding the lock it inherited. So under
     relaytune's launcher the parent must be the launcher's pid, which it passes in the environment."""
-    try:
-        import ctypes
-        import signal
+    import signal
 
-        libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        prctl = libc_prctl()
         parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before the request took effect
             os.kill(os.getpid(), signal.SIGKILL)
     except (OSError, AttributeError, ValueError):
         pass
+
+
+@functools.cache
+def libc_prctl():
+    """libc's prctl, looked up once. The launcher looks it up before it forks the workers, whose copy
+    of this cache then holds it: a child forked from a process with threads (the agent's) should call
+    only async-signal-safe functions, and the lookup (dlopen, dlsym) is not one; a loader lock that
+    another thread held at the fork would never be released in the child."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
 
 
 __all__ = ["World", "current", "from_env", "joined"]
