@@ -16,6 +16,10 @@ import sys
 import textwrap
 import time
 
+from support.ranks import alive
+
+from relaytune.distributed.world import LAUNCHER_PID, die_with_parent, libc_prctl
+
 WORKER = textwrap.dedent("""
     import os, sys, time
     launcher = int(sys.argv[1])
@@ -32,7 +36,7 @@ LAUNCHER = textwrap.dedent("""
     import os, subprocess, sys, time
     env = dict(os.environ)
     if sys.argv[3] == "tells":
-        env["RELAYTUNE_LAUNCHER_PID"] = str(os.getpid())
+        env[sys.argv[4]] = str(os.getpid())
     worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), sys.argv[2]], env=env)
     print(worker.pid, flush=True)
     time.sleep(60)  # killed by the test before the worker makes its request
@@ -42,8 +46,8 @@ LAUNCHER = textwrap.dedent("""
 def orphan(tmp_path, tells: str) -> tuple[bool, int]:
     """Whether the worker outlived its request, and its pid."""
     marker = tmp_path / f"worker-{tells}"
-    env = {k: v for k, v in os.environ.items() if k != "RELAYTUNE_LAUNCHER_PID"}
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(marker), tells],
+    env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID}
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(marker), tells, LAUNCHER_PID],
                                 stdout=subprocess.PIPE, text=True, env=env)
     worker = int(launcher.stdout.readline())
     launcher.send_signal(signal.SIGKILL)
@@ -56,14 +60,6 @@ def orphan(tmp_path, tells: str) -> tuple[bool, int]:
     if alive(worker):
         os.kill(worker, signal.SIGKILL)
     return survived, worker
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_worker_whose_launcher_died_before_its_request_kills_itself(tmp_path):
@@ -83,15 +79,13 @@ def test_a_forked_worker_asks_without_looking_up_libc(monkeypatch):
     """The launcher looks prctl up before it forks (launch.py); the forked worker only calls it."""
     import ctypes
 
-    from relaytune.distributed.world import die_with_parent, libc_prctl
-
     prctl = libc_prctl()  # as the launcher does
 
     def lookup(*args, **kwargs):
         raise RuntimeError("looked up libc after the fork")
 
     monkeypatch.setattr(ctypes, "CDLL", lookup)
-    monkeypatch.delenv("RELAYTUNE_LAUNCHER_PID", raising=False)
+    monkeypatch.delenv(LAUNCHER_PID, raising=False)
     pid = os.fork()
     if pid == 0:  # the worker: ask, then report the signal its parent's death would send
         try:

@@ -111,10 +111,7 @@ def launch(run, nproc: int, config, fresh: bool, overrides: dict, max_restarts: 
         os.environ["RELAYTUNE_LAUNCHED"] = "1"  # the workers know the launcher holds the lock
         if start in ("fork", "spawn"):  # the workers are this process's children (not a forkserver's)
             os.environ[LAUNCHER_PID] = str(os.getpid())
-        try:
-            libc_prctl()  # before the forks (world.py says why)
-        except (OSError, AttributeError):
-            pass
+        libc_prctl()  # looked up before the forks (world.py says why)
         since = _sessions_size(run)
         previous = _forward_signals()
         try:

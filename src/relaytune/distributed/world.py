@@ -243,7 +243,8 @@ def joined():
     import torch
     import torch.distributed as dist
 
-    die_with_parent()
+    if not world.launched:  # relaytune's launcher's workers asked first thing (launch.worker)
+        die_with_parent()
     if torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)  # the local rank picks the GPU
         backend = "nccl"
@@ -298,25 +299,30 @@ def die_with_parent() -> None:
     relaytune's launcher the parent must be the launcher's pid, which it passes in the environment."""
     import signal
 
+    prctl = libc_prctl()
+    if prctl is None:
+        return
     try:
-        prctl = libc_prctl()
         parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-    except (OSError, AttributeError, ValueError):
-        pass
+    except ValueError:
+        return
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @functools.cache
 def libc_prctl():
-    """libc's prctl, looked up once. The launcher looks it up before it forks the workers, whose copy
-    of this cache then holds it: a child forked from a process with threads (the agent's) should call
-    only async-signal-safe functions, and the lookup (dlopen, dlsym) is not one; a loader lock that
-    another thread held at the fork would never be released in the child."""
+    """libc's prctl, looked up once (None where there is none: not Linux). The launcher looks it up
+    before it forks the workers, whose copy of this cache then holds it: a child forked from a process
+    with threads (the agent's) should call only async-signal-safe functions, and the lookup (dlopen,
+    dlsym) is not one; a loader lock that another thread held at the fork would never be released."""
     import ctypes
 
-    return ctypes.CDLL(None, use_errno=True).prctl
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 __all__ = ["World", "current", "from_env", "joined"]
