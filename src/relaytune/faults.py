@@ -26,6 +26,11 @@ RELAYTUNE_RECORD_ROWS=/path/prefix
 RELAYTUNE_SLOW_STEP=seconds
     Sleep this long after every optimizer step, so that a tiny test model trains
     slowly enough for a signal or a time limit to land mid-run.
+RELAYTUNE_PAUSE_AT="step:/path/gate"
+    After optimizer step `step` (its record written), create /path/gate.reached and
+    wait until /path/gate exists, in short sleeps that let signal handlers run. A
+    test acts on a run held at a known step, however late a loaded machine lets it
+    notice; every process (rank) of the run, and every restart of it, pauses there.
 RELAYTUNE_FUSED_ADAMW=1
     Run a GPU's update on the CPU: the fused AdamW, queued before the loss is read,
     with the next batch made ahead (training/optim.fusable). relaytune otherwise keeps
@@ -44,7 +49,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 VARIABLES = ("RELAYTUNE_CRASH_AT", "RELAYTUNE_FAIL_AT", "RELAYTUNE_FILL_AT", "RELAYTUNE_OOM_AT",
-             "RELAYTUNE_NAN_AT", "RELAYTUNE_SLOW_STEP", "RELAYTUNE_OOM_RANK", "RELAYTUNE_RECORD_ROWS")
+             "RELAYTUNE_NAN_AT", "RELAYTUNE_SLOW_STEP", "RELAYTUNE_OOM_RANK", "RELAYTUNE_RECORD_ROWS",
+             "RELAYTUNE_PAUSE_AT")
 SESSION_VARIABLES = ("RELAYTUNE_FUSED_ADAMW",)
 
 
@@ -57,6 +63,7 @@ class Plan:
     oom: set[tuple[int, int]] = field(default_factory=set)  # (step, micro-batch)
     nan: set[int] = field(default_factory=set)
     slow_step: float = 0.0
+    pause: tuple[int, str] | None = None  # (step, gate path)
     fused_adamw: bool = False
     hits: Counter = field(default_factory=Counter)
 
@@ -84,6 +91,9 @@ def parse(env) -> Plan:
         plan.oom = set()  # injected in the first round; a real OOM does not recur at half the micro-batch
     plan.nan = {int(s[0]) for s in _items(env, "RELAYTUNE_NAN_AT")}
     plan.slow_step = float(env.get("RELAYTUNE_SLOW_STEP") or 0.0)
+    if env.get("RELAYTUNE_PAUSE_AT", "").strip():
+        step, gate = env["RELAYTUNE_PAUSE_AT"].strip().split(":", 1)
+        plan.pause = (int(step), gate)
     plan.fused_adamw = env.get("RELAYTUNE_FUSED_ADAMW", "").strip() == "1"
     return plan
 
@@ -123,11 +133,17 @@ def reach(point: str) -> None:
         _fill_disk(plan.fill_file)
 
 
-def step_ended() -> None:
-    """The loop's one hook after each optimizer step: the `step:end` point and the slow-step switch."""
+def step_ended(step: int) -> None:
+    """The loop's one hook after optimizer step `step` (1-based): the `step:end` point, the slow-step
+    switch and the pause."""
     plan = _current()
     if plan.slow_step:
         time.sleep(plan.slow_step)
+    if plan.pause and plan.pause[0] == step:
+        gate = plan.pause[1]
+        open(f"{gate}.reached", "a").close()
+        while not os.path.exists(gate):
+            time.sleep(0.01)
     reach("step:end")
 
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 from conftest import chat_rows, make_config, write_jsonl
+from support.gate import Gate, stderr_says, wait_for
 
 from relaytune.checkpoint.resume import find_relay
 from relaytune.config import load_config
-from relaytune.observe.metrics import read_metrics
 
 STEPS = 30
 SETTINGS = {"max_steps": STEPS, "save_steps": 1000, "lora_dropout": 0.1}
@@ -42,14 +41,12 @@ def stopped(tmp_path_factory, tiny_model, fork_cli):
     inputs = tmp / "input"
     cfg_a = make_config(inputs / "my-notebook", tiny_model, data, **SETTINGS)  # run A: input/my-notebook/run
     run_a = inputs / "my-notebook" / "run"
-    child = fork_cli.start("train", str(cfg_a), env={"RELAYTUNE_SLOW_STEP": "0.05"})
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        records = read_metrics(run_a / "metrics.jsonl") if (run_a / "metrics.jsonl").exists() else []
-        if any(r.get("step", 0) >= 6 for r in records if "loss" in r):
-            break
-        time.sleep(0.02)
+    gate = Gate(tmp, 6)
+    child = fork_cli.start("train", str(cfg_a), env=gate.env)
+    gate.wait_reached(child.pid)
     os.kill(child.pid, signal.SIGTERM)
+    wait_for(stderr_says(child, "SIGTERM received"), child.pid)
+    gate.open()
     result = child.wait(120)
     assert result.returncode == 75, result.stderr
     assert not (run_a / "final").exists()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from conftest import chat_rows, make_config, write_jsonl
+from support.gate import Gate
 from support.trained_run import copy_run, finished_run
 
 from relaytune.cli import main
@@ -62,10 +63,12 @@ def test_status_of_a_live_run_then_killed_then_resumed(tmp_path, tiny_model, for
     data = write_jsonl(tmp_path / "data.jsonl", chat_rows())
     cfg = make_config(tmp_path, tiny_model, data, max_steps=40, save_steps=5, val_set_size=8, eval_steps=10)
     run = tmp_path / "run"
-    live = fork_cli.start("train", str(cfg), env={"OMP_NUM_THREADS": "1", "RELAYTUNE_SLOW_STEP": "0.1"})
+    gate = Gate(tmp_path, 12)  # held there, after an evaluation and a checkpoint, until it is killed
+    live = fork_cli.start("train", str(cfg), env={"OMP_NUM_THREADS": "1", **gate.env})
     try:
+        gate.wait_reached(live.pid)
         st = _wait_for(lambda: _running(run))
-        assert st.state == f"running (pid {live.pid})" and st.total == 40 and 0 < st.step < 40
+        assert st.state == f"running (pid {live.pid})" and st.total == 40 and st.step == 12
         assert st.seconds_per_step and st.eta_s and st.eta_s > 0
         text = format_status(st)
         assert "ETA" in text and "running" in text

@@ -102,7 +102,7 @@ def test_alias_bomb_in_a_known_key_is_refused_at_once(tmp_path):
     cfg = config_file(tmp_path, alias_bomb())
     started = time.monotonic()
     message = refused(cfg)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 20  # expanded, it would take minutes and gigabytes
     assert message == (f"{cfg}:4: YAML anchors and aliases (&name, *name) are not accepted in a config; "
                        "write the value out")
 

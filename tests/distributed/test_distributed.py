@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ONE_THREAD_ENV, REPO, run_until_done, step_records
+from support.gate import Gate, stderr_says, wait_for
 from support.ranks import (
     ADAPTER,
     alive,
@@ -29,7 +30,6 @@ from support.ranks import (
     free_port,
     rows_by_step,
     run_ok,
-    wait_for_step,
     wait_gone,
     wait_unlocked,
 )
@@ -100,15 +100,17 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path, 
     ref_run, _ = two_process
     cfg = config(tmp_path, tiny_model, data_file, num_gpus=2, lora_dropout=0.1, save_steps=100)
     run = tmp_path / "run"
-    started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.3"})
-    wait_for_step(run, 2)
+    gate = Gate(tmp_path, 2)
+    started = fork_cli.start("train", str(cfg), env=gate.env)
+    gate.wait_reached(started.pid)
     os.kill(started.pid, signal.SIGTERM)
+    wait_for(stderr_says(started, "SIGTERM received"), started.pid)
+    gate.open()
     r = started.wait(120)
     assert r.returncode == 75, r.stderr[-4000:]
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    assert len(ckpts) == 1 and verify(run / "checkpoints" / ckpts[0]) is None, ckpts
-    stopped_at = int(ckpts[0].split("-")[1])
-    assert step_records(run / "metrics.jsonl")[-1]["step"] == stopped_at
+    assert ckpts == ["step-2"] and verify(run / "checkpoints/step-2") is None, ckpts
+    assert step_records(run / "metrics.jsonl")[-1]["step"] == 2
     ends = [json.loads(x) for x in (run / "sessions.jsonl").read_text().splitlines()]
     assert ends[-1]["how"] == "signal"
     run_ok(fork_cli, cfg)
@@ -127,21 +129,28 @@ def test_an_oom_on_rank_1_steps_both_ranks_down(tmp_path, tiny_model, data_file,
     assert_close(tmp_path / "run", one_process)  # same rows, same maths, smaller micro-batches
 
 
+def _starts(run: Path) -> list[dict]:
+    lines = (run / "sessions.jsonl").read_text().splitlines() if (run / "sessions.jsonl").exists() else []
+    return [e for e in map(json.loads, lines) if e["event"] == "start"]
+
+
 def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(tmp_path, tiny_model, data_file, fork_cli,
                                                                two_process):
     ref_run, _ = two_process
     cfg = config(tmp_path, tiny_model, data_file, num_gpus=2, lora_dropout=0.1)
     run = tmp_path / "run"
-    started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.2"})
-    wait_for_step(run, 5)
-    workers = children(started.pid)
+    gate = Gate(tmp_path, 5)  # step-4 is committed by then (in the background, so waited for)
+    started = fork_cli.start("train", str(cfg), env=gate.env)
+    gate.wait_reached(started.pid)
+    wait_for(lambda: verify(run / "checkpoints/step-4") is None, started.pid, what="step-4")
+    workers = [w for w in children(started.pid) if alive(w)]
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGKILL)
+    wait_for(lambda: len(_starts(run)) == 2, started.pid, what="the restarted workers' session")
+    gate.open()
     r = started.wait(180)
     assert r.returncode == 0, r.stderr[-4000:]
-    starts = [json.loads(x) for x in (run / "sessions.jsonl").read_text().splitlines()
-              if json.loads(x)["event"] == "start"]
-    assert len(starts) == 2 and starts[1]["from_step"] > 0, "the restarted workers resumed from a checkpoint"
+    assert [s["from_step"] for s in _starts(run)] == [0, 4], "the restarted workers resumed from step-4"
     assert (run / ADAPTER).read_bytes() == (ref_run / ADAPTER).read_bytes()
     assert [r["step"] for r in step_records(run / "metrics.jsonl")] == list(range(1, 13))
 
@@ -155,17 +164,20 @@ def test_workers_killed_ten_times_then_rerun_is_exact(tmp_path, tiny_model, data
     cfg = config(tmp_path, tiny_model, data_file, num_gpus=2, lora_dropout=0.1)
     run, rng = tmp_path / "run", random.Random(3)
     killed, commands, t0 = 0, 0, time.monotonic()
+    gate = Gate(tmp_path, 11)  # the run cannot finish while kills are still to come
     while killed < 10:
-        started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.6"})
+        started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.6", **gate.env})
         commands += 1
         while killed < 10 and alive(started.pid):
             newest = max((int(p.name[5:]) for p in run.glob("checkpoints/step-*") if p.name[5:].isdigit()),
                          default=0)
             time.sleep(rng.uniform(0.5, 2.5 if newest < 8 else 1.0))
-            workers = children(started.pid)
+            workers = [w for w in children(started.pid) if alive(w)]  # a zombie would take no kill
             if len(workers) == 2:  # not between two rounds
                 os.kill(rng.choice(workers), signal.SIGKILL)
                 killed += 1
+        if killed == 10:
+            gate.open()
         r = started.wait(180)
         assert "connectFullMesh" not in r.stderr, "a restarted round met the crashed round's keys"
         if r.returncode == 0:
@@ -185,27 +197,25 @@ def kill_launcher_and_resume(tmp_path, tiny_model, data_file, fork_cli, two_proc
     rng = random.Random(seed)
     killed = 0
     t0 = time.monotonic()
+    gate = Gate(tmp_path, 11)  # never opened: the run cannot finish before it has been killed `kills` times
     while killed < kills:
-        started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.6"})
+        started = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.6", **gate.env})
         # Set-up takes ~1.5 s, then a step every ~0.6 s: kills land in both. Near the end of the 12 steps
-        # the kills come sooner, so that the run cannot finish before it has been killed `kills` times.
+        # the kills come sooner, so that they land in steps rather than in the pause after step 11.
         newest = max((int(p.name[5:]) for p in run.glob("checkpoints/step-*") if p.name[5:].isdigit()), default=0)
         time.sleep(rng.uniform(0.3, 2.8 if newest < 8 else 1.2))
         workers = children(started.pid)
         try:
-            os.kill(started.pid, signal.SIGKILL)
+            os.kill(started.pid, signal.SIGKILL)  # it cannot finish: the pause holds it
         except ProcessLookupError:
-            pass  # it had finished
+            pass  # it failed: the exit code's assertion below shows its stderr
         r = started.wait(120)
         wait_gone(workers)  # PR_SET_PDEATHSIG: the workers die with their launcher
         wait_unlocked(run)  # and one forked after `children` was read, which wait_gone cannot know
-        if r.returncode == 0:
-            break  # finished before the kill landed
         assert r.returncode == -9, r.stderr[-3000:]
         killed += 1
         for p in (run / "checkpoints").glob("step-*") if (run / "checkpoints").is_dir() else []:
             assert verify(p) is None, f"{p.name} visible but not intact"
-    assert killed == kills, f"the run finished after {killed} kills"
     run_until_done(fork_cli, cfg)
     assert (run / ADAPTER).read_bytes() == (ref_run / ADAPTER).read_bytes()
     assert [r["step"] for r in step_records(run / "metrics.jsonl")] == list(range(1, 13))

@@ -106,18 +106,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for_step(run: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if any(r["step"] >= step for r in step_records(run / "metrics.jsonl")):
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"no step {step} in {timeout} s")
-
-
 def children(pid: int) -> list[int]:
     try:
         return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

@@ -8,41 +8,16 @@ import os
 import random
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from conftest import make_config
+from support.gate import Gate, stderr_says, wait_for
 
 import relaytune
 from relaytune.atomic import verify
 from relaytune.errors import StoppedEarly
-from relaytune.observe.metrics import read_metrics
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _wait_for_step(run: Path, step: int, pid: int, timeout: float = 120) -> None:
-    """Wait until the child has logged `step` (metrics.jsonl), so a signal lands mid-training."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not _alive(pid):
-            raise AssertionError("child ended early")
-        records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
-        if any(r.get("step", 0) >= step for r in records if "loss" in r):
-            return
-        time.sleep(0.02)
-    raise AssertionError("child made no progress")
-
-
-def _last_logged_step(run: Path) -> int:
-    return max(r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r and "event" not in r)
+from relaytune.training import stops
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +39,19 @@ def test_signal_commits_a_checkpoint_exits_75_and_resumes_exactly(signame, tmp_p
     data, ref = reference
     cfg = make_config(tmp_path, tiny_model, data, max_steps=60, save_steps=1000, lora_dropout=0.1)
     run = tmp_path / "run"
-    rng = random.Random(signame)
-    child = fork_cli.start("train", str(cfg), env={"RELAYTUNE_SLOW_STEP": "0.02"})
-    _wait_for_step(run, rng.randint(3, 20), child.pid)
-    sent_after = _last_logged_step(run)
+    gate = Gate(tmp_path, random.Random(signame).randint(3, 20))
+    child = fork_cli.start("train", str(cfg), env=gate.env)
+    gate.wait_reached(child.pid)  # held after that step's record, mid-run
     os.kill(child.pid, getattr(signal, signame))
+    wait_for(stderr_says(child, f"{signame} received"), child.pid)
+    gate.open()
     result = child.wait(120)
     err = result.stderr
     assert result.returncode == 75, err
-    assert f"{signame} received" in err and "committed" in err and "after the request" in err
+    assert "committed" in err and "after the request" in err
     committed = [p for p in (run / "checkpoints").iterdir() if verify(p) is None]
-    assert len(committed) == 1
-    step = int(committed[0].name[5:])
-    assert step >= sent_after  # no older than the last completed step
+    assert [p.name for p in committed] == [f"step-{gate.step}"]  # the step the signal came after
+    step = gate.step
     ends = [json.loads(line) for line in (run / "sessions.jsonl").read_text().splitlines()]
     assert ends[-1]["event"] == "end" and ends[-1]["how"] == "signal" and ends[-1]["at_step"] == step
     again = fork_cli.run("train", str(cfg))
@@ -101,21 +76,27 @@ def test_time_limit_stops_before_the_limit_with_a_checkpoint(tmp_path, tiny_mode
 
 def test_python_api_interrupt_raises_stopped_early_with_the_checkpoint(tmp_path, tiny_model, chat_data, monkeypatch,
                                                                      one_thread):
-    monkeypatch.setenv("RELAYTUNE_SLOW_STEP", "0.02")
+    gate = Gate(tmp_path, 3)
+    monkeypatch.setenv("RELAYTUNE_PAUSE_AT", gate.env["RELAYTUNE_PAUSE_AT"])
     cfg = make_config(tmp_path, tiny_model, chat_data, max_steps=100_000, save_steps=100_000)
-    run = tmp_path / "run"
+    returned = threading.Event()
 
-    def interrupt_once_training():
-        for _ in range(3000):
-            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
-                break
-            time.sleep(0.01)
+    def interrupt_at_the_pause():
+        while not gate.reached_file.exists():
+            if returned.wait(0.01):
+                return  # train() ended without pausing: the assertions below say how
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C or a notebook's interrupt sends
+        while not (stops._installed and stops._installed.signal_name) and not returned.wait(0.01):
+            pass  # the main thread's handler has seen it before the run goes on
+        gate.open()
 
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN under a background shell job
-    threading.Thread(target=interrupt_once_training, daemon=True).start()
-    with pytest.raises(StoppedEarly) as info:
-        relaytune.train(str(cfg))
+    threading.Thread(target=interrupt_at_the_pause, daemon=True).start()
+    try:
+        with pytest.raises(StoppedEarly) as info:
+            relaytune.train(str(cfg))
+    finally:
+        returned.set()
     assert info.value.how == "signal" and info.value.checkpoint is not None
     assert verify(Path(info.value.checkpoint)) is None
     # The handlers are ours only while train() runs.

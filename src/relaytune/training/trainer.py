@@ -246,7 +246,7 @@ class Trainer:
                 if not self.record(result, rows, t0):
                     continue  # rolled back to a checkpoint: the steps after it are redone
                 self.maybe_evaluate()
-                faults.step_ended()
+                faults.step_ended(self.state.step)
                 stop.check()  # a second signal during this step: leave without saving it
                 if self.world.distributed:  # a stop on any rank stops every rank at this step boundary
                     self.agreed_stop(stop)
