@@ -117,3 +117,27 @@ def test_a_signal_inside_a_write_to_stderr_still_says_so(monkeypatch, capfd):
     StopRequest()._handle(signal.SIGTERM, None)
     assert "relaytune: warning: SIGTERM received: stopping after this step, with a checkpoint" in capfd.readouterr().err
 
+
+def test_a_committed_stop_keeps_ignoring_signals_only_where_the_process_exits_next():
+    """The CLI's process exits when train() returns: between the handlers' removal and the exit a
+    late signal would otherwise meet Python's defaults (exit 130 or 143 instead of 75)."""
+    from relaytune.training import stops
+
+    before = {sig: signal.getsignal(sig) for sig in stops.STOP_SIGNALS}
+
+    def uninstalled(committed: bool) -> dict:
+        request = StopRequest().install()
+        request.committed = committed
+        request.uninstall()
+        return {sig: signal.getsignal(sig) for sig in stops.STOP_SIGNALS}
+
+    try:
+        with stops.exit_follows():
+            assert uninstalled(committed=False) == before
+            assert set(uninstalled(committed=True).values()) == {signal.SIG_IGN}
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        assert uninstalled(committed=True) == before, "the Python API gets its handlers back"
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -33,6 +33,8 @@ def config_epilog() -> str:
 
 def run(args: argparse.Namespace) -> None:
     from relaytune.config import parse_overrides
+    from relaytune.training import stops
     from relaytune.training.recipe import train  # torch: imported only to train
 
-    train(args.config, fresh=args.fresh, **parse_overrides(args.overrides))
+    with stops.exit_follows():
+        train(args.config, fresh=args.fresh, **parse_overrides(args.overrides))

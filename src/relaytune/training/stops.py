@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -73,9 +74,13 @@ class StopRequest:
         return self
 
     def uninstall(self) -> None:
+        """Hand the signals back; but where the process exits right after (`exit_follows`) and the
+        stop checkpoint is committed, leave them ignored, so that a late signal on the way out
+        cannot turn exit 75 into 130 or 143."""
         global _installed
+        ignore = self.committed and _exit_follows
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if ignore else handler)
         if self._previous and _installed is self:
             _installed = None
         self._previous = {}
@@ -138,6 +143,19 @@ class StopRequest:
 
 
 _installed: StopRequest | None = None  # the request whose handlers are in place
+_exit_follows = False  # inside `exit_follows()`: the process ends as soon as train() returns
+
+
+@contextlib.contextmanager
+def exit_follows():
+    """Around the CLI's train(), whose process exits when it returns: a committed stop then keeps
+    ignoring the stop signals after `uninstall` (the Python API gets its handlers back)."""
+    global _exit_follows
+    _exit_follows = True
+    try:
+        yield
+    finally:
+        _exit_follows = False
 
 
 def _say(message: str) -> None:
