@@ -1,10 +1,12 @@
-"""Stopping on purpose with exit 75: after a signal or at the deadline (save, then stop), after an
-OOM at micro-batch 1, or abandoning a step on a second signal. The trainer's way out."""
+"""Stopping on purpose with exit 75: after a signal or at the deadline (save, then stop; with several
+ranks, once they agree), after an OOM at micro-batch 1, or abandoning a step on a second signal.
+The trainer's way out."""
 
 from __future__ import annotations
 
 import time
 
+from relaytune.distributed import agree
 from relaytune.errors import StoppedEarly, TrainingDiverged
 from relaytune.log import info
 from relaytune.training.recovery import oom_advice
@@ -18,6 +20,19 @@ def stop_after_oom(trainer) -> None:
     if path is None:
         raise TrainingDiverged(advice)
     raise StoppedEarly(f"{advice}\nCheckpoint {path.name} is committed", trainer.state.step, str(path), how="oom")
+
+
+def agreed_stop(trainer, stop: StopRequest) -> None:
+    """Several ranks: one tiny all-reduce of every rank's reasons to stop (a signal, the deadline,
+    checkpoints failing on rank 0); any reason stops them all here, together."""
+    flags = agree.stop_flags(
+        trainer.world, stop.requested,
+        trainer.deadline.must_stop(trainer.step_seconds, trainer.checkpointer.save_seconds),
+        trainer.world.is_main and trainer.checkpointer.failing())
+    if flags.disk:
+        trainer.checkpointer.raise_if_failing(trainer.state.step, force=True)
+    if flags.any:
+        trainer.stop_and_save(stop, signal=flags.signal)
 
 
 def stop_and_save(trainer, stop: StopRequest, signal: bool | None = None) -> None:

@@ -249,7 +249,7 @@ class Trainer:
                 faults.step_ended(self.state.step)
                 stop.check()  # a second signal during this step: leave without saving it
                 if self.world.distributed:  # a stop on any rank stops every rank at this step boundary
-                    self.agreed_stop(stop)
+                    stopping.agreed_stop(self, stop)
                 elif stop.requested or self.deadline.must_stop(self.step_seconds, self.checkpointer.save_seconds):
                     self.stop_and_save(stop)
                 self.maybe_save()
@@ -265,18 +265,6 @@ class Trainer:
         """The row ids of `step`'s global batch (a pure function of seed and step) and their rows."""
         ids = self.order.batch_rows(step)
         return ids, [self.data.train[i] for i in ids]
-
-    def agreed_stop(self, stop: StopRequest) -> None:
-        """Several ranks: one tiny all-reduce of every rank's reasons to stop (a signal, the
-        deadline, checkpoints failing on rank 0); any reason stops them all here, together."""
-        flags = agree.stop_flags(
-            self.world, stop.requested,
-            self.deadline.must_stop(self.step_seconds, self.checkpointer.save_seconds),
-            self.world.is_main and self.checkpointer.failing())
-        if flags.disk:
-            self.checkpointer.raise_if_failing(self.state.step, force=True)
-        if flags.any:
-            self.stop_and_save(stop, signal=flags.signal)
 
     def _seconds_to_stop(self) -> float | None:
         if not self.step_seconds:
@@ -350,7 +338,7 @@ class Trainer:
                 self.checkpointer.save(self.snapshot, step)
                 self.metrics.write({"step": step, "event": "checkpoint",
                                     "blocked_seconds": round(self.checkpointer.blocked_seconds, 4)})
-        if not self.world.distributed:  # several ranks: agreed in agreed_stop, before the next save
+        if not self.world.distributed:  # several ranks: agreed in stopping.agreed_stop, before the next save
             self.checkpointer.raise_if_failing(step)
 
     # --- recovery and stopping ---------------------------------------------------------------
