@@ -36,6 +36,7 @@ from support.ranks import (
 
 from relaytune.checkpoint import verify
 from relaytune.faults import SESSION_VARIABLES
+from relaytune.observe.metrics import read_records
 
 
 def test_two_processes_train_the_same_maths_as_one(tmp_path, tiny_model, data_file, fork_cli, one_process):
@@ -84,9 +85,7 @@ def test_a_checkpoint_resumes_on_another_process_count(tmp_path, tiny_model, dat
     assert sorted(later) == list(range(resumed_from, 12)), "the resume continues at the checkpoint's step"
     assert later == {s: v for s, v in expected_rows().items() if s >= resumed_from}
     assert len(list(tmp_path.glob("rows.rank*.jsonl"))) == second
-    starts = [json.loads(x) for x in (tmp_path / "run/sessions.jsonl").read_text().splitlines()
-              if json.loads(x)["event"] == "start"]
-    assert [s["world_size"] for s in starts] == [first, second]
+    assert [s["world_size"] for s in _starts(tmp_path / "run")] == [first, second]
     status = fork_cli.run("status", str(tmp_path / "run"))
     assert status.returncode == 0, status.stderr[-2000:]
     table = status.stdout[status.stdout.index("sessions:"):].splitlines()
@@ -130,8 +129,8 @@ def test_an_oom_on_rank_1_steps_both_ranks_down(tmp_path, tiny_model, data_file,
 
 
 def _starts(run: Path) -> list[dict]:
-    lines = (run / "sessions.jsonl").read_text().splitlines() if (run / "sessions.jsonl").exists() else []
-    return [e for e in map(json.loads, lines) if e["event"] == "start"]
+    """The session starts so far; read while the run writes, so a torn last line is skipped."""
+    return [e for e in read_records(run / "sessions.jsonl") if e["event"] == "start"]
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_the_same(tmp_path, tiny_model, data_file, fork_cli,

@@ -86,7 +86,7 @@ def test_python_api_interrupt_raises_stopped_early_with_the_checkpoint(tmp_path,
             if returned.wait(0.01):
                 return  # train() ended without pausing: the assertions below say how
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C or a notebook's interrupt sends
-        while not (stops._installed and stops._installed.signal_name) and not returned.wait(0.01):
+        while not stops.StopRequest.adopt().requested and not returned.wait(0.01):
             pass  # the main thread's handler has seen it before the run goes on
         gate.open()
 
