@@ -30,7 +30,7 @@ class StoppedEarly(Exception):
 
     exit_code = 75
 
-    def __init__(self, message: str, step: int, checkpoint: str | None, how: StopReason | str):
+    def __init__(self, message: str, step: int | None, checkpoint: str | None, how: StopReason | str):
         super().__init__(message)
         self.how = StopReason(how)
         self.step = step
@@ -39,6 +39,7 @@ class StoppedEarly(Exception):
 
 class TrainingDiverged(Exception):
     """Training cannot go on as configured (repeated NaNs with on_repeated_nan: stop, or an
-    OOM at micro-batch 1 with no checkpoint written). The message is the diagnosis. Exit code 1."""
+    OOM at micro-batch 1 with no checkpoint written), or a full disk took the session's work with no
+    checkpoint committed. The message is the diagnosis. Exit code 1."""
 
     exit_code = 1

@@ -3,6 +3,7 @@ committed work, and the run still ends byte-identical once space is back."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import uuid
 from pathlib import Path
@@ -88,3 +89,43 @@ def test_a_really_full_disk_keeps_committed_work(point, nth, small_fs, tmp_path,
     again = fork_cli.run("train", str(cfg))
     assert again.returncode == 0, again.stderr
     assert (run / "final/adapter_model.safetensors").read_bytes() == ref
+
+
+def test_saves_failing_before_any_checkpoint_is_a_failure_not_a_stop(tmp_path, tiny_model, dropout_reference,
+                                                                      fork_cli):
+    data, _ = dropout_reference
+    cfg = make_config(tmp_path, tiny_model, data, max_steps=40, save_steps=2)
+    failing = ",".join(f"save:begin:{n}:{ENOSPC}" for n in range(1, 20))
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_FAIL_AT": failing})
+    # 75 promises a checkpoint to continue from; there is none, so the steps are lost: exit 1.
+    assert r.returncode == 1, r.stderr
+    # The third failure (step 6's save, in the background) is seen at step 6 or 7, as the writer finishes.
+    assert re.search(r"relaytune: error: no checkpoint could be written 3 times in a row \(disk full or failing\), "
+                     r"and no checkpoint of this run is committed: the steps of this session, up to step [67], are "
+                     r"lost\. Free space, then run the same command again to start them over\n", r.stderr), r.stderr
+    assert "Traceback" not in r.stderr and "run the same command again to continue" not in r.stderr
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_a_final_save_that_fails_says_what_is_kept_and_exits_by_it(committed, tmp_path, tiny_model,
+                                                                  dropout_reference, fork_cli):
+    data, ref = dropout_reference
+    cfg = make_config(tmp_path, tiny_model, data, lora_dropout=0.1, save_steps=4 if committed else 100)
+    # The final save is the last commit of the run: occurrence 3 with step-4 and step-8 before it, else 1.
+    nth = 3 if committed else 1
+    r = fork_cli.run("train", str(cfg), env={"RELAYTUNE_FAIL_AT": f"save:begin:{nth}:{ENOSPC}"})
+    stderr = re.sub(r" \(injected at [^)]*\)", "", r.stderr)
+    if committed:
+        assert r.returncode == 75, r.stderr
+        assert stderr.rstrip().endswith(
+            "relaytune: the final adapter could not be written (No space left on device); the run is intact at "
+            "step-8. Free space; run the same command again to continue"), r.stderr
+    else:
+        assert r.returncode == 1, r.stderr
+        assert ("relaytune: error: the final adapter could not be written (No space left on device), and no "
+                "checkpoint of this run is committed: the steps of this session, up to step 12, are lost") in stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "run/final").exists()
+    again = fork_cli.run("train", str(cfg))
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "run/final/adapter_model.safetensors").read_bytes() == ref

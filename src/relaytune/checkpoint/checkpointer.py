@@ -28,7 +28,7 @@ from relaytune.checkpoint.saver import Saver
 from relaytune.checkpoint.state import Live, TrainState
 from relaytune.checkpoint.store import CheckpointStore, verify_checkpoint
 from relaytune.config import TrainConfig
-from relaytune.errors import StoppedEarly, UserError
+from relaytune.errors import UserError
 from relaytune.log import info, warn
 from relaytune.run_dir import RunDir
 
@@ -138,14 +138,14 @@ class Checkpointer:
         return self._saver.failures >= MAX_FAILED_SAVES
 
     def raise_if_failing(self, step: int, force: bool = False) -> None:
-        """StoppedEarly (exit 75) when saves keep failing; `force`: another rank (rank 0, the one
-        that saves) found they do, and every rank stops with it."""
+        """When saves keep failing: StoppedEarly (exit 75), or TrainingDiverged (exit 1) where no checkpoint
+        is committed; `force`: another rank (rank 0, the one that saves) found they do, and every rank
+        stops with it."""
         failures = self._saver.failures
         if failures >= MAX_FAILED_SAVES or force:
             failures = max(failures, MAX_FAILED_SAVES)
-            raise StoppedEarly(f"no checkpoint could be written {failures} times in a row "
-                               f"(disk full or failing); free space, then run again to continue from the "
-                               f"last committed checkpoint", step, None, how="disk")
+            raise self._saver.out_of_room(
+                f"no checkpoint could be written {failures} times in a row (disk full or failing)", step)
 
     # --- the end -------------------------------------------------------------------------
     def finish(self, live: Live, progress: TrainState) -> Path:

@@ -18,7 +18,7 @@ from relaytune.atomic import commit_folder
 from relaytune.checkpoint.jobs import BackgroundJob
 from relaytune.checkpoint.store import CheckpointStore
 from relaytune.config import TrainConfig
-from relaytune.errors import StoppedEarly
+from relaytune.errors import StoppedEarly, TrainingDiverged
 from relaytune.log import info, warn
 
 DISK_ERRORS = {errno.ENOSPC: "the disk is full", errno.EIO: "the disk reported an I/O error",
@@ -108,6 +108,17 @@ class Saver:
         warn(f"checkpoint at step {step} failed ({what}); the previous checkpoint is intact, "
              "training continues and the next save tries again")
 
+    def out_of_room(self, what: str, step: int) -> Exception:
+        """How a session that cannot write its work ends. Exit 75 promises a checkpoint to continue
+        from, so it is StoppedEarly only where one is committed; without one the session's steps are
+        gone, and that is a failure (exit 1), not a stop."""
+        _, latest, _ = self._store.latest_valid()
+        if latest is None:
+            return TrainingDiverged(f"{what}, and no checkpoint of this run is committed: the steps of this "
+                                    f"session, up to step {step}, are lost. Free space, then run the same "
+                                    "command again to start them over")
+        return StoppedEarly(f"{what}; the run is intact at {latest.name}. Free space", step, str(latest), how="disk")
+
     def flush(self) -> None:
         """Wait for the save in flight; a failure is reported, never raised."""
         self._writer.wait()
@@ -121,11 +132,7 @@ class Saver:
         try:  # `run`: the config and data fingerprint, kept in the manifest so final/ stands alone
             path = commit_folder(files, target, {"kind": "final", **self._meta, **({"run": run} if run else {})})
         except OSError as e:
-            _, latest, _ = self._store.latest_valid()
-            raise StoppedEarly(
-                f"the final adapter could not be written ({e.strerror or e}); "
-                f"{'the run is intact at ' + latest.name if latest else 'no checkpoint is committed'}. "
-                "Free space, then run again", step, str(latest) if latest else None, how="disk") from None
+            raise self.out_of_room(f"the final adapter could not be written ({e.strerror or e})", step) from None
         info(f"final adapter written to {path}")
         self._prune(step, keep)  # a kill during an earlier retention may have left one checkpoint too many
         if self._mirror:
