@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
+    except KeyboardInterrupt:
+        # Ctrl-C in a command other than train (whose signals stop the run with exit 75): one line and
+        # the shell's code for an interrupt, not a traceback.
+        print(f"relaytune: {args.command} interrupted", file=sys.stderr)
+        return 130
     except Exception as e:
         code = getattr(e, "exit_code", None)
         if not isinstance(code, int):

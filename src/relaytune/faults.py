@@ -31,6 +31,7 @@ RELAYTUNE_PAUSE_AT="step:/path/gate"
     wait until /path/gate exists, in short sleeps that let signal handlers run. A
     test acts on a run held at a known step, however late a loaded machine lets it
     notice; every process (rank) of the run, and every restart of it, pauses there.
+    `step` may be `load`: the pause is in the set-up, just before the model loads.
 RELAYTUNE_FUSED_ADAMW=1
     Run a GPU's update on the CPU: the fused AdamW, queued before the loss is read,
     with the next batch made ahead (training/optim.fusable). relaytune otherwise keeps
@@ -63,7 +64,7 @@ class Plan:
     oom: set[tuple[int, int]] = field(default_factory=set)  # (step, micro-batch)
     nan: set[int] = field(default_factory=set)
     slow_step: float = 0.0
-    pause: tuple[int, str] | None = None  # (step, gate path)
+    pause: tuple[int | str, str] | None = None  # (step or "load", gate path)
     fused_adamw: bool = False
     hits: Counter = field(default_factory=Counter)
 
@@ -93,7 +94,7 @@ def parse(env) -> Plan:
     plan.slow_step = float(env.get("RELAYTUNE_SLOW_STEP") or 0.0)
     if env.get("RELAYTUNE_PAUSE_AT", "").strip():
         step, gate = env["RELAYTUNE_PAUSE_AT"].strip().split(":", 1)
-        plan.pause = (int(step), gate)
+        plan.pause = (step if step == "load" else int(step), gate)
     plan.fused_adamw = env.get("RELAYTUNE_FUSED_ADAMW", "").strip() == "1"
     return plan
 
@@ -140,11 +141,21 @@ def step_ended(step: int) -> None:
     if plan.slow_step:
         time.sleep(plan.slow_step)
     if plan.pause and plan.pause[0] == step:
-        gate = plan.pause[1]
-        open(f"{gate}.reached", "a").close()
-        while not os.path.exists(gate):
-            time.sleep(0.01)
+        _hold(plan.pause[1])
     reach("step:end")
+
+
+def model_loading() -> None:
+    """The set-up's hook just before the model loads: the pause `load:/path/gate`."""
+    plan = _current()
+    if plan.pause and plan.pause[0] == "load":
+        _hold(plan.pause[1])
+
+
+def _hold(gate: str) -> None:
+    open(f"{gate}.reached", "a").close()
+    while not os.path.exists(gate):
+        time.sleep(0.01)
 
 
 def rows_trained(step: int, rank: int, rows: list[int]) -> None:

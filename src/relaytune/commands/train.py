@@ -32,9 +32,10 @@ def config_epilog() -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    from relaytune.config import parse_overrides
     from relaytune.training import stops
-    from relaytune.training.recipe import train  # torch: imported only to train
 
-    with stops.exit_follows():
+    with stops.exit_follows(), stops.leave_setup_at_once():
+        from relaytune.config import parse_overrides
+        from relaytune.training.recipe import train  # torch: imported only to train
+
         train(args.config, fresh=args.fresh, **parse_overrides(args.overrides))

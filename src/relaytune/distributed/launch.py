@@ -13,7 +13,7 @@ not restart it, and the launcher turns rank 0's answer back into the same except
 or SIGINT to the launcher: the agent passes it to the workers, they stop at the same step
 boundary with one committed checkpoint, and the launcher exits 75.
 
-The launcher handles SIGTERM/SIGINT/SIGHUP itself rather than through the agent's own handler:
+The launcher handles SIGTERM/SIGINT/SIGHUP/SIGUSR1 itself rather than through the agent's own handler:
 it forwards the signal to the workers and lets the agent go on monitoring them, so their
 answers (exit 75, the checkpoint's path) come back the ordinary way. (The agent's handler shuts
 the workers down instead, and a function worker that has answered then waits for the agent to
@@ -146,8 +146,11 @@ def _forward_signals() -> dict:
             except ProcessLookupError:
                 pass
 
+    from relaytune.training.stops import take_over_from_setup
+
+    take_over_from_setup()  # the workers now decide how a stop ends, not the CLI's set-up guard
     previous = {}
-    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1"):  # SIGUSR1: SLURM's `--signal` notice
         sig = getattr(signal, name)
         previous[sig] = signal.signal(sig, forward)
     return previous

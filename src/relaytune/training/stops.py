@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from relaytune.distributed.launch import peer_lost
+from relaytune.errors import StoppedEarly
 from relaytune.log import warn, warn_unbuffered
 
 PEER_LOST_EXIT = 1  # a crash, as the dead peer's: the agent restarts the workers either way
@@ -29,6 +30,16 @@ STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGUSR1"
 class Abandoned(BaseException):
     """A second signal soon after the first: the step in progress is abandoned, nothing is saved.
     A BaseException so that no `except Exception` inside a step can swallow it."""
+
+
+class StoppedBeforeTraining(BaseException):
+    """A stop signal during the set-up, before any handler of the run's own is in place: nothing of the
+    run has changed yet, so the set-up is left at once. A BaseException, so that no library's `except
+    Exception` while the model loads can swallow it."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
 class StopRequest:
@@ -67,6 +78,7 @@ class StopRequest:
 
     def install(self) -> StopRequest:
         global _installed
+        take_over_from_setup()
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -156,6 +168,47 @@ def exit_follows():
         yield
     finally:
         _exit_follows = False
+
+
+_setup_guarded = False  # inside `leave_setup_at_once()`, before the run's own handlers took over
+
+
+@contextlib.contextmanager
+def leave_setup_at_once():
+    """Around the CLI's train(): until the run's own handlers take over (the loop's StopRequest, or the
+    launcher's forwarding to its workers), a stop signal leaves the set-up at once, as StoppedEarly
+    (exit 75): loading a large model can outlast a preemption's grace period, and nothing is lost.
+    Once they took over, a signal reaching this handler again (train() is returning) is ignored: the
+    process exits next with train()'s own outcome."""
+    global _setup_guarded
+
+    def leave(signum, frame):
+        global _setup_guarded
+        if _setup_guarded:
+            _setup_guarded = False  # a second signal while the set-up unwinds must not interrupt its clean-up
+            raise StoppedBeforeTraining(signal.Signals(signum).name)
+
+    _setup_guarded = True
+    previous = {sig: signal.signal(sig, leave) for sig in STOP_SIGNALS}
+    stopped = False
+    try:
+        yield
+    except StoppedBeforeTraining as e:
+        stopped = True
+        raise StoppedEarly(f"{e.signal_name} received before training began: the run is as it was",
+                           None, None, how="signal") from None
+    finally:
+        _setup_guarded = False
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is leave:  # not where a committed stop left the signal ignored
+                # Stopped: the process exits next, and a late signal must not turn exit 75 into 143.
+                signal.signal(sig, signal.SIG_IGN if stopped else handler)
+
+
+def take_over_from_setup() -> None:
+    """The run's own signal handling begins: `leave_setup_at_once` no longer leaves anything."""
+    global _setup_guarded
+    _setup_guarded = False
 
 
 def _say(message: str) -> None:

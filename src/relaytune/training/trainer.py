@@ -26,7 +26,7 @@ from relaytune.data.batches import DataOrder, total_steps
 from relaytune.data.packing import check_isolation
 from relaytune.distributed import agree, fsdp, world
 from relaytune.embedding_offload import place_input_embedding
-from relaytune.errors import StoppedEarly, UserError
+from relaytune.errors import StoppedEarly, StopReason, UserError
 from relaytune.log import info, warn
 from relaytune.model import (
     check_trainable,
@@ -56,7 +56,7 @@ from relaytune.training.recovery import (
 from relaytune.training.speedups import batch_width, restore_compiler_settings
 from relaytune.training.step import StepParts, StepResult, optimizer_step
 from relaytune.training.step_log import LogWindow, peak_memory
-from relaytune.training.stops import Abandoned, StopRequest, safe_points
+from relaytune.training.stops import Abandoned, StoppedBeforeTraining, StopRequest, safe_points
 
 
 class Trainer:
@@ -111,6 +111,7 @@ class Trainer:
             loads = cfg.model_copy(update={"fsdp": True, **fsdp.load_settings(cfg, self.precision.dtype)})
             autobatch.shard(self.auto, loads, self.world.size)
         check_gpu(report, self.auto.frozen_bytes)
+        faults.model_loading()
         self._build(source, report)
         self._start(loaded)
 
@@ -373,6 +374,8 @@ class Trainer:
         if isinstance(error, StoppedEarly):
             self.sessions.end(error.how, self.state.step)
             self.checkpointer.drain_mirror(timeout=60)
+        elif isinstance(error, StoppedBeforeTraining):
+            self.sessions.end(StopReason.SIGNAL, self.state.step)
         else:
             self.sessions.end(f"error: {type(error).__name__}", self.state.step)
 
