@@ -89,3 +89,19 @@ def secret_query_params(url: str) -> list[str]:
 def url_userinfo(url: str) -> str:
     """The `user:password` part of a URL ('' if none)."""
     return _split_userinfo(url.split("://", 1)[1])[0] if "://" in url else ""
+
+
+def secrets_in(value: object) -> list[str]:
+    """`url_secrets` of every URL inside `value`: a string, or the strings (keys included) of
+    nested lists, tuples and dicts, as a config or its overrides hold them."""
+    found: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and "://" in item:
+            found += [piece for match in _URL.finditer(item) for piece in url_secrets(match.group(0))]
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return found

@@ -170,3 +170,63 @@ def test_redact_url_strips_userinfo_and_query_also_inside_text():
     assert redact_url("/plain/folder") == "/plain/folder"
     leaked = f"bucket name 'KEY:{SECRET}@bucket' is not valid"
     assert scrub(leaked, url_secrets(f"s3://KEY:{SECRET}@bucket/x")) == "bucket name '***:***@bucket' is not valid"
+
+
+# --- URLs in path settings other than mirror_to: refused by name, never joined, never leaked ----------
+
+URL_CASES = [  # (key, URL, secrets it carries, what the message shows of it)
+    ("dataset", "https://alice:SECRETPW1@example.com/d.jsonl", ("alice", "SECRETPW1"), "https://example.com/d.jsonl"),
+    ("dataset", "https://example.com/d.jsonl?token=SECRETQ2", ("SECRETQ2",), "https://example.com/d.jsonl"),
+    ("eval_dataset", "https://bob:SECRETE@example.com/e.jsonl", ("SECRETE",), "https://example.com/e.jsonl"),
+    ("model", "https://carol:SECRETM@example.com/m.gguf", ("carol", "SECRETM"), "https://example.com/m.gguf"),
+    ("chat_template", "https://dave:SECRETC@example.com/t.jinja?sig=SECRETS", ("SECRETC", "SECRETS"),
+     "https://example.com/t.jinja"),
+    ("resume_from_checkpoint", "s3://erin:SECRETR@bucket/ck/step-3", ("erin", "SECRETR"), "s3://bucket/ck/step-3"),
+    ("output_dir", "s3://AKIAEXAMPLEKEY:SECRETO@bucket/run", ("AKIAEXAMPLEKEY", "SECRETO"), "s3://bucket/run"),
+]
+
+
+@pytest.mark.parametrize("key,url,secrets,shown", URL_CASES)
+def test_a_url_where_a_path_is_expected_is_refused_without_its_credentials(layout, capsys, key, url, secrets,
+                                                                            shown):
+    base = {"dataset": "d.jsonl", "output_dir": "run", "seed": "1"}
+    base.pop(key, None)
+    lines = "".join(f"{k}: {v}\n" for k, v in list(base.items())[:2])
+    cfg = write(layout / "cfg" / "config.yaml", lines)
+    in_file = write(layout / "cfg" / "c2.yaml", f"{lines}{key}: '{url}'\n")
+    for message, where in ((_refusal(cfg, [f"{key}={url}"]), f"the override {key}={shown}: "),
+                           (_refusal(in_file), f"{in_file}:3: ")):
+        assert message.startswith(f"{where}`{key}` does not read URLs ({shown}); it takes "), message
+        assert "only mirror_to takes a URL" in message
+        assert not any(s in message for s in secrets), message
+    assert cli.main(["train", str(cfg), f"{key}={url}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"`{key}` does not read URLs" in err
+    assert not any(s in err for s in secrets), err
+
+
+def test_a_url_in_a_dataset_list_entry_is_refused_by_its_index(layout):
+    cfg = write(layout / "cfg" / "config.yaml", "output_dir: run\ndataset:\n  - a.jsonl\n"
+                "  - path: 'hf://datasets/me/d?token=SECRETL'\n    weight: 2\n")
+    message = _refusal(cfg)
+    assert message.startswith(f"{cfg}:2: `dataset[1]` does not read URLs (hf://datasets/me/d)"), message
+    assert "SECRETL" not in message
+
+
+def test_no_config_error_repeats_a_url_secret_whatever_the_path_to_it(layout):
+    """Messages that quote a URL some other way (as a key, or a config file path) are scrubbed too."""
+    cfg = write(layout / "cfg" / "config.yaml", "dataset: d.jsonl\noutput_dir: run\n")
+    as_key = _refusal(cfg, ["https://frank:SECRETK@example.com/x=1"])
+    assert "SECRETK" not in as_key and "frank" not in as_key and "is not a key" in as_key, as_key
+    as_file = _refusal("https://gina:SECRETF@example.com/c.yaml")
+    assert as_file == "https://example.com/c.yaml: the config file must be a local file, not a URL; download it first"
+    mirror = _refusal(cfg, ["mirror_to=https://hank:SECRETW@example.com/runs"])
+    assert "SECRETW" not in mirror and "credentials" in mirror
+
+
+def test_urls_are_never_joined_onto_a_folder(layout):
+    from relaytune.config.paths import resolve_value
+    for key in ("dataset", "eval_dataset", "model", "chat_template", "resume_from_checkpoint", "output_dir"):
+        assert resolve_value(key, "https://example.com/a/b.jsonl", layout) == "https://example.com/a/b.jsonl"
+    assert resolve_value("mirror_to", "s3://bucket/x", layout) == "s3://bucket/x"
+    assert resolve_value("dataset", "C://data/x.jsonl", layout) != "C://data/x.jsonl", "a drive, not a scheme"

@@ -5,9 +5,8 @@ import json
 
 import pytest
 from conftest import chat_rows, make_config, run_cli, write_jsonl
+from support.prepared import prep, quarantine
 
-from relaytune.config.loader import load_config
-from relaytune.data import prepare_data
 from relaytune.errors import UserError
 from relaytune.tiny import make_tokenizer
 
@@ -40,16 +39,6 @@ BAD_LINES = [  # (raw jsonl line, what the reason must mention)
 @pytest.fixture(scope="module")
 def tok():
     return make_tokenizer()
-
-
-def prep(tmp_path, tok, path, **settings):
-    cfg = load_config({"dataset": str(path), "output_dir": str(tmp_path / "run"), "dataset_cache": False,
-                       **settings})
-    return prepare_data(cfg, tok)
-
-
-def quarantine(tmp_path):
-    return [json.loads(line) for line in (tmp_path / "run" / "quarantine.jsonl").read_text().splitlines()]
 
 
 def test_every_bad_row_is_named_by_line_and_field(tmp_path, tok):

@@ -118,6 +118,26 @@ def check_mirror_url(value: str | None) -> str | None:
         f"and printed. Remove them from the URL and give them through {where}")
 
 
+_DURATION_FORMS = "write e.g. 11h30m, 90m, 45s, 1d, or plain seconds (3600)"
+
+
+def duration_text(value: Any) -> str | None:
+    """time_limit as text that parse_duration reads; a bare number is seconds, as the same digits
+    quoted already were (YAML and overrides give 3600 as an int, and refusing it as "not a string"
+    said nothing about what to write)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise ValueError(f"a duration is text or a number of seconds, not a {type(value).__name__}; "
+                         f"{_DURATION_FORMS}")
+    parse_duration(text)
+    return text
+
+
 def parse_duration(text: str) -> float:
     """'11h30m', '90m', '45s', '2h', or plain seconds -> seconds."""
     import re
@@ -127,7 +147,7 @@ def parse_duration(text: str) -> float:
         return float(s)
     parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", s)
     if not s or not parts or not any(parts.groups()):
-        raise ValueError(f"{text!r} is not a duration; write e.g. 11h30m, 90m, 45s")
+        raise ValueError(f"{text!r} is not a duration; {_DURATION_FORMS}")
     d, h, m, sec = (int(g or 0) for g in parts.groups())
     return float(((d * 24 + h) * 60 + m) * 60 + sec)
 

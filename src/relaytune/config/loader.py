@@ -7,6 +7,7 @@ override) and what would be valid, and is raised as UserError (exit 2).
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import typing
@@ -16,12 +17,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from relaytune.config.checks import odd_settings
+from relaytune.config.origins import remember
 from relaytune.config.paths import absolute, resolve_paths, resolve_value
 from relaytune.config.schema import ALIASES, TrainConfig
-from relaytune.config.yaml_source import parse_value, read_config_file
+from relaytune.config.urls import config_path_url, refuse_urls
+from relaytune.config.yaml_source import NumberTooLong, parse_value, read_config_file
 from relaytune.errors import UserError
 from relaytune.log import warn
-from relaytune.redact import redact_url
+from relaytune.redact import redact_url, scrub, secrets_in
 
 
 def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
@@ -31,6 +34,21 @@ def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
     Relative paths written in a file resolve against the file's folder; those in a dict, an
     existing config or an override resolve against the working directory.
     """
+    # Each message redacts the URLs it shows; this catches any that quotes a secret another way
+    # (a URL typed as a key, a library's text), since a refusal is printed and often pasted.
+    secrets: list[str] = []
+    try:
+        return _load(source, overrides, secrets)
+    except UserError as e:
+        given = source.model_dump() if isinstance(source, TrainConfig) else source
+        secrets += secrets_in(overrides) + secrets_in(given)
+        clean = scrub(str(e), secrets)
+        if clean == str(e):
+            raise
+        raise UserError(clean) from None
+
+
+def _load(source, overrides, secrets: list[str]) -> TrainConfig:
     if isinstance(source, TrainConfig) and not overrides:
         return source
     here = Path.cwd()
@@ -45,8 +63,10 @@ def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
     elif source is None:
         raw = {}
     else:
+        config_path_url(source)
         raw, where = read_config_file(Path(source))
         folder = Path(os.path.abspath(os.path.expanduser(source))).parent
+    secrets += secrets_in(raw)
     raw, where = _apply_aliases(raw, where)
     written = raw.get("output_dir")
     raw = resolve_paths(raw, folder)
@@ -55,13 +75,15 @@ def load_config(source: str | os.PathLike | dict | TrainConfig | None = None,
         _check_moved_output_dir(written, raw, where, here)
     for key, value in given.items():
         raw[key] = resolve_value(key, value, here)
-        shown = redact_url(value if isinstance(value, str) else repr(value))
+        shown = redact_url(value if isinstance(value, str) else _repr(value))
         where[key] = f"the override {key}={_clip(shown)}"
+    refuse_urls(raw, where)
     _reject_unknown(raw, where)
     try:
         cfg = TrainConfig.model_validate(raw)
     except ValidationError as e:
         raise UserError(_explain(e, raw, where)) from None
+    remember(raw, where)
     for message in odd_settings(cfg):
         warn(message)
     return cfg
@@ -103,7 +125,11 @@ def parse_overrides(overrides: list[str] | dict[str, Any] | None) -> dict[str, A
         if "=" not in item:
             raise UserError(f"override {_clip(redact_url(item))!r} is not key=value (e.g. learning_rate=1e-4)")
         key, text = item.split("=", 1)
-        parsed[key.strip()] = parse_value(text)
+        try:
+            parsed[key.strip()] = parse_value(text)
+        except NumberTooLong as e:
+            named = NumberTooLong(key.strip(), e.digits, None)  # a bare value knows no key
+            raise UserError(f"the override {_clip(redact_url(item), 60)}: {named}") from None
     return parsed
 
 
@@ -173,7 +199,17 @@ def _explain(error: ValidationError, raw: dict, where: dict[str, str]) -> str:
 
 def _shown(value: Any) -> str:
     """A value as an error message may show it: credentials out of URLs, and short."""
-    return _clip(redact_url(repr(value)))
+    return _clip(redact_url(_repr(value)))
+
+
+def _repr(value: Any) -> str:
+    """repr(), which raises ValueError for an int past Python's digit limit (a dict or a
+    TrainConfig can hold one)."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"a number of about {int(math.log10(abs(value))) + 1:,} digits" if isinstance(value, int) \
+            else f"a {type(value).__name__} too large to show"
 
 
 def _clip(text: str, limit: int = 200) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytune.config.datasets import DatasetSource
+from relaytune.config.urls import is_url
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 PATH_PREFIXES = (".", "/", "~")
@@ -24,7 +25,10 @@ PATH_KEYS = ("output_dir", "dataset", "eval_dataset", "model", "chat_template", 
 
 
 def absolute(value: str, base: Path) -> str:
-    """`value` (~ expanded) joined to `base` and normalised, without following symlinks."""
+    """`value` (~ expanded) joined to `base` and normalised, without following symlinks. A URL
+    stays as written: normalising would collapse its `//` and hide it from redaction."""
+    if is_url(value):
+        return value
     return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 
 

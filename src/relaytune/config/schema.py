@@ -15,8 +15,8 @@ from relaytune.config.checks import (
     RANGES,
     check_mirror_url,
     check_range,
+    duration_text,
     iso_text,
-    parse_duration,
     parse_timestamp,
     refuse_contradictions,
     settle_global_batch,
@@ -284,7 +284,8 @@ class TrainConfig(BaseModel):
     """Stop, save and exit 75 before this wall-clock time (ISO 8601, e.g. 2026-12-01T06:00:00Z,
     quoted or not); a time without a zone is local time."""
     time_limit: str | None = None
-    """Stop, save and exit 75 before this much wall time has passed, e.g. 11h30m or 90m."""
+    """Stop, save and exit 75 before this much wall time has passed: 11h30m, 90m, 45s, 1d, or
+    plain seconds (3600)."""
 
     # --- several GPUs --------------------------------------------------------------
     num_gpus: Literal["auto"] | int = "auto"
@@ -354,12 +355,10 @@ class TrainConfig(BaseModel):
             raise ValueError("must be greater than 0")
         return v
 
-    @field_validator("time_limit")
+    @field_validator("time_limit", mode="before")
     @classmethod
-    def _duration(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_duration(v)
-        return v
+    def _duration(cls, v):
+        return duration_text(v)
 
     @field_validator(*RANGES)
     @classmethod

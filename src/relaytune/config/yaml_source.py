@@ -8,6 +8,7 @@ stays the text that was written, so `deadline: 2026-12-01T06:00:00Z` needs no qu
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
@@ -19,6 +20,7 @@ MAX_BYTES = 1 << 20  # a flat config is a few KiB; 1 MiB leaves room for long co
 MAX_DEPTH = 20  # the deepest real setting (a dataset entry's column map) is 3 levels down
 
 _TIMESTAMP = "tag:yaml.org,2002:timestamp"
+_INT = "tag:yaml.org,2002:int"
 
 
 class YamlProblem(Exception):
@@ -27,6 +29,16 @@ class YamlProblem(Exception):
     def __init__(self, message: str, line: int | None):
         super().__init__(message)
         self.line = line
+
+
+class NumberTooLong(YamlProblem):
+    """An integer with more digits than Python converts (sys.get_int_max_str_digits())."""
+
+    def __init__(self, key: str, digits: int, line: int | None):
+        limit = sys.get_int_max_str_digits()
+        super().__init__(f"`{key}`: the number has {digits:,} digits, too large for any setting "
+                         f"(at most {limit:,} digits can be read as an integer)", line)
+        self.digits = digits
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -78,6 +90,32 @@ def duplicate_keys(node: yaml.Node) -> tuple[str, int, int] | None:
     return None
 
 
+def _decimal_digits(text: str) -> int:
+    """Digits that YAML's int constructor hands to int() in base 10 (the only base Python limits)."""
+    digits = text.replace("_", "").lstrip("+-")
+    if digits.startswith("0") and len(digits) > 1 and ":" not in digits:
+        return 0  # 0b, 0x and octal: power-of-two bases convert in linear time, without a limit
+    return max(len(part) for part in digits.split(":"))
+
+
+def long_number(node: yaml.Node) -> NumberTooLong | None:
+    """The first integer too long to convert, found before construction (where int() would raise a
+    bare ValueError that names neither line nor key), with the top-level key that holds it."""
+    limit = sys.get_int_max_str_digits()
+    stack: list[tuple[yaml.Node, str]] = [(node, "")]
+    while limit and stack:
+        current, key = stack.pop()
+        if isinstance(current, yaml.MappingNode):
+            for key_node, value_node in reversed(current.value):
+                name = key or (str(key_node.value)[:100] if isinstance(key_node, yaml.ScalarNode) else "a key")
+                stack += [(value_node, name), (key_node, key or "a key")]
+        elif isinstance(current, yaml.SequenceNode):
+            stack += [(item, key) for item in reversed(current.value)]
+        elif current.tag == _INT and (digits := _decimal_digits(str(current.value))) > limit:
+            return NumberTooLong(key or "the value", digits, current.start_mark.line)
+    return None
+
+
 def _load(text: str, name: str) -> tuple[object, yaml.Node | None]:
     """Compose the node tree once, check it, and only then build Python values from it."""
     loader = StrictLoader(text)
@@ -86,6 +124,8 @@ def _load(text: str, name: str) -> tuple[object, yaml.Node | None]:
         if node is not None and (twice := duplicate_keys(node)):
             key, first, second = twice
             raise UserError(f"`{key}` is set twice: {name}:{first} and {name}:{second}; keep one")
+        if node is not None and (too_long := long_number(node)):
+            raise too_long
         return (loader.construct_document(node) if node is not None else None), node
     finally:
         loader.dispose()
@@ -109,6 +149,8 @@ def parse(text: str, name: str) -> tuple[object, yaml.Node | None]:
 
 def read_config_file(path: Path) -> tuple[dict, dict[str, str]]:
     """The top-level mapping of a config file, and `key -> "file:line"` for each key."""
+    if path.is_dir():
+        raise UserError(f"{path}: this is a folder, not a config file; name the .yaml file in it")
     if not path.is_file():
         raise UserError(f"{path}: config file not found")
     try:
@@ -139,5 +181,7 @@ def parse_value(text: str):
         return text
     try:
         return _load(text, "the override")[0]
+    except NumberTooLong:
+        raise  # the text is a number, just not one any setting can hold: say so, with the key
     except (YamlProblem, yaml.YAMLError, UserError, RecursionError):
         return text

@@ -15,6 +15,7 @@ as the user's data spells it; the caller adds the file:line.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 
 from relaytune.config.datasets import COLUMNS
@@ -35,6 +36,53 @@ class RawRow:
     origin: str  # "path:line", "path:row N" or "hub-id:row N"
     data: dict = field(default_factory=dict)
     error: str | None = None  # set when the row could not even be read (bad JSON, bad bytes)
+
+
+class NotJson(ValueError):
+    """JSON text that cannot be read: why, and the 1-based line where known."""
+
+    def __init__(self, reason: str, line: int | None = None):
+        super().__init__(reason)
+        self.reason, self.line = reason, line
+
+
+class _LongNumber(Exception):
+    def __init__(self, literal: str):
+        super().__init__(literal)
+        self.literal = literal
+
+
+def _int_or_refuse(literal: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    if limit and len(literal.lstrip("-")) > limit:
+        raise _LongNumber(literal)
+    return int(literal)
+
+
+def load_json(text: str):
+    """json.loads, with every way untrusted text makes it fail raised as NotJson.
+
+    Python refuses to convert an integer of more than sys.get_int_max_str_digits() digits (a
+    guard against quadratic-time parsing) with a bare ValueError; that case is parsed again
+    to find the number, so that the message can say which line holds it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise NotJson(f"{e.msg}, column {e.colno}", e.lineno) from None
+    except RecursionError:
+        raise NotJson("nested too deep") from None
+    except ValueError:
+        pass  # only the integer digit limit raises a plain ValueError here
+    try:
+        json.loads(text, parse_int=_int_or_refuse)
+    except _LongNumber as e:
+        at = text.find(e.literal)
+        raise NotJson(f"a number with {len(e.literal.lstrip('-')):,} digits, more than the "
+                      f"{sys.get_int_max_str_digits():,} that can be read as an integer",
+                      text.count("\n", 0, at) + 1 if at >= 0 else None) from None
+    except (ValueError, RecursionError) as e:
+        raise NotJson(str(e) or type(e).__name__) from None
+    raise NotJson("a value that cannot be read")
 
 
 class BadRow(Exception):
@@ -164,9 +212,9 @@ def _messages_list(d: dict, key: str, f: Fields, allow_empty: bool = False) -> l
     value = d[key]
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:  # CSV and some parquet exports store the message list as JSON text
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise BadRow(f"`{key}` holds text that is not a valid JSON list ({e.msg})") from None
+            value = load_json(value)
+        except NotJson as e:
+            raise BadRow(f"`{key}` holds text that is not a valid JSON list ({e.reason})") from None
     if not isinstance(value, list) or (not value and not allow_empty):
         raise BadRow(f"`{key}` must be a non-empty list of messages, got {_kind(value)}")
     if len(value) > MAX_MESSAGES:

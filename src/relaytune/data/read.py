@@ -18,8 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from relaytune.config.datasets import DatasetSource
-from relaytune.data.formats import RawRow
+from relaytune.config.origins import written_at
+from relaytune.config.urls import is_url
+from relaytune.data.formats import NotJson, RawRow, load_json
 from relaytune.errors import UserError
+from relaytune.redact import redact_url
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # A row (a JSONL line, a CSV record) longer than this is quarantined unread: one 50 MB line cost
@@ -98,10 +101,14 @@ def source_digest(spec: DatasetSource) -> str:
 
 def data_files(spec: DatasetSource) -> list[Path] | None:
     """The data files a source reads, or None for a source that `datasets` loads."""
+    named = written_at(spec.path)  # the key (and config line) that named this source
+    if is_url(spec.path):
+        raise UserError(f"{named}: {redact_url(spec.path.strip())} is a URL; data is read from a local "
+                        "file or folder, or a Hub dataset id (org/name): download the file first")
     path = Path(spec.path).expanduser()
     if path.is_file():
         if path.suffix not in SUFFIXES:
-            raise UserError(f"`dataset`: {path} is a {path.suffix or 'suffix-less'} file; "
+            raise UserError(f"{named}: {path} is a {path.suffix or 'suffix-less'} file; "
                             f"expected {', '.join(SUFFIXES)}")
         return [path]
     if path.is_dir():
@@ -112,10 +119,10 @@ def data_files(spec: DatasetSource) -> list[Path] | None:
                        and not any(part.startswith(".") for part in p.relative_to(path).parts)
                        and not (_excluded and _skipped(p)))
         if not files:
-            raise UserError(f"`dataset`: the folder {path} holds no {'/'.join(SUFFIXES)} files")
+            raise UserError(f"{named}: the folder {path} holds no {'/'.join(SUFFIXES)} files")
         return files
     if spec.path.startswith((".", "/", "~")) or Path(spec.path).suffix in SUFFIXES:
-        raise UserError(f"`dataset`: {_where(spec.path)} does not exist")
+        raise UserError(f"{named}: {_where(spec.path)} does not exist")
     return None  # a Hub id
 
 
@@ -176,10 +183,9 @@ def _read_jsonl(path: Path):
                 yield RawRow(origin, error=f"not UTF-8 (bad byte at column {e.start + 1})")
                 continue
             try:
-                value = json.loads(text)
-            except (json.JSONDecodeError, RecursionError) as e:
-                msg = f"{e.msg}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deep"
-                yield RawRow(origin, error=f"not valid JSON ({msg})")
+                value = load_json(text)
+            except NotJson as e:
+                yield RawRow(origin, error=f"not valid JSON ({e.reason})")
                 continue
             if isinstance(value, dict):
                 yield RawRow(origin, value)
@@ -195,11 +201,9 @@ def _read_json(path: Path) -> list[RawRow]:
         line = raw[:e.start].count(b"\n") + 1
         raise UserError(f"{path}:{line}: not UTF-8 (bad byte at offset {e.start})") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
-    except RecursionError:
-        raise UserError(f"{path}: not valid JSON: nested too deep") from None
+        data = load_json(text)
+    except NotJson as e:
+        raise UserError(f"{path}{f':{e.line}' if e.line else ''}: not valid JSON: {e.reason}") from None
     if isinstance(data, list):
         lines = _element_lines(text, len(data))
         if len(set(lines)) == len(lines):
@@ -309,8 +313,8 @@ def _load_datasets(spec: DatasetSource):
         raise
     except Exception as e:  # offline, missing, or malformed: all end here
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"`dataset`: {spec.path} is neither a data file nor a loadable dataset: "
-                        f"{first}") from None
+        raise UserError(f"{written_at(spec.path)}: {spec.path} is neither a data file nor a loadable "
+                        f"dataset: {redact_url(first)}") from None
     if _loaded is not None:
         _loaded[key] = ds
     return ds
