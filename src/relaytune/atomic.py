@@ -19,13 +19,15 @@ Each commit step is a named fault point (see faults.py): `<points>:begin`, `:mid
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -221,6 +223,91 @@ def clean_tmp(parent: Path, quiet: bool = False) -> None:
             p.unlink(missing_ok=True)
         if not quiet:
             info(f"removed an unfinished save of ours: {p.name}")
+
+
+# A tmp folder younger than this, unlocked and empty, may be one whose maker has not locked it yet.
+NEWBORN_SECONDS = 60.0
+
+
+@contextlib.contextmanager
+def held_tmp_folder(parent: Path, name: str) -> Iterator[Path]:
+    """A new `.relaytune-tmp-<name>-*` folder in `parent`, kernel-locked (flock) while this process
+    holds it and removed on leaving (unless published meanwhile).
+
+    Why a lock and not a pid or an age: the kernel drops the lock however the process ends (SIGKILL
+    included), a recycled pid (a restarted container starts at the same small pids) cannot keep a dead
+    folder alive, and a long export (an 8B merge) is never mistaken for an old one. `clean_stale_tmp`
+    removes only folders whose lock it can take. A filesystem without locks leaves the folder unlocked
+    and the cleaner then cannot tell, so it keeps it.
+    """
+    parent = Path(parent)
+    while True:
+        folder = tmp_path(parent, name)
+        folder.mkdir()
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        _lock(fd, wait=True)
+        try:
+            if os.stat(folder).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:  # a cleaner took it for a dead one before the lock (clock skew): anew
+            pass
+        os.close(fd)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)  # after the removal: no cleaner can take it for a dead one meanwhile
+
+
+def _lock(fd: int, wait: bool) -> bool:
+    """flock(LOCK_EX): True if taken, False if another holds it; OSError if locks are unsupported."""
+    import fcntl  # not on Windows; imported where it is used
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        if wait:
+            return True  # unsupported here: the folder stays unlocked, and cleaners keep it (see above)
+        raise
+
+
+def clean_stale_tmp(parent: Path, name: str) -> tuple[list[tuple[Path, int]], list[Path]]:
+    """Remove the `.relaytune-tmp-<name>-*` folders in `parent` that no live process holds
+    (see `held_tmp_folder`): ([(removed, bytes)], [kept because this filesystem cannot tell])."""
+    removed: list[tuple[Path, int]] = []
+    unsure: list[Path] = []
+    if not Path(parent).is_dir():
+        return removed, unsure
+    for p in sorted(Path(parent).glob(f"{TMP_PREFIX}{name}-*")):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # removed meanwhile (its export ended), or not ours to open
+        try:
+            if not _lock(fd, wait=False):
+                continue  # a live export's
+            if not any(p.iterdir()) and time.time() - p.stat().st_mtime < NEWBORN_SECONDS:
+                continue  # just made, its maker about to lock it
+            size = sum(_on_disk(f) for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+            shutil.rmtree(p, ignore_errors=True)  # under our lock: no maker can adopt it meanwhile
+            removed.append((p, size))
+        except OSError:
+            unsure.append(p)
+        finally:
+            os.close(fd)
+    return removed, unsure
+
+
+def _on_disk(f: Path) -> int:
+    """Bytes `f` takes on disk: a file killed mid-write may be sparse (written into a pre-sized mmap)."""
+    st = f.stat()
+    blocks = getattr(st, "st_blocks", None)  # not on Windows
+    return st.st_size if blocks is None else min(st.st_size, blocks * 512)
 
 
 def verify(path: Path) -> str | None:

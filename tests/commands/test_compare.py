@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.read_only import files, make_read_only
 from support.trained_run import copy_run, finished_run, one_thread
 
 from relaytune.cli import main
@@ -86,3 +87,66 @@ def test_scoring_and_narrow_terminal():
     assert "--- base" in view and "--- final" in view
     wide = side_by_side(Comparison(prompts, outputs, s), width=120)
     assert " | " in wide
+
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    """Loading the model is where generation begins: a refusal must come before it."""
+    from relaytune.commands import compare
+
+    def refuse(cfg):
+        raise AssertionError("the model was loaded: the refusal came after generation began")
+
+    monkeypatch.setattr(compare, "load_adapter_slot", refuse)
+
+
+def test_bad_prompts_or_report_are_refused_before_generating(run, prompts, tmp_path, capsys, no_generation):
+    utf16 = tmp_path / "p16.txt"
+    utf16.write_bytes("hello\n".encode("utf-16"))
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"one\ntwo\ncaf\xe9\n")
+    (tmp_path / "a_file").write_text("x")
+    step4 = run / "checkpoints" / "step-4"
+    before = files(step4)
+    cases = [([str(run), "--prompts", str(utf16)], f"{utf16}:1: not UTF-8 text (byte 0xff at offset 0); "
+                                                   "it looks like UTF-16"),
+             ([str(run), "--prompts", str(latin)], f"{latin}:3: not UTF-8 text (byte 0xe9 at offset 11)"),
+             ([str(run), "--prompts", str(prompts), "--report", str(tmp_path)], f"--report {tmp_path}: "
+                                                                                f"{tmp_path} is a folder"),
+             ([str(run), "--prompts", str(prompts), "--report", str(tmp_path / "a_file" / "r.md")],
+              f"{tmp_path / 'a_file'} is a file, not a folder"),
+             ([str(run), "--prompts", str(prompts), "--report", str(step4 / "r.md")],
+              f"{step4} is a committed adapter folder"),
+             ([str(step4), "--prompts", str(prompts)],
+              f"is checkpoint step-4 of the run in {run}, not a run folder; use `relaytune compare {run} "
+              "--checkpoints step-4`"),
+             ([str(run / "final"), "--prompts", str(prompts)], "is the final adapter (final/) of the run in")]
+    for args, says in cases:
+        assert main(["compare", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+    assert files(step4) == before
+
+
+def test_read_prompts_drops_a_utf8_byte_order_mark(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "caf\u00e9"}).encode() + b"\n")
+    assert [p.text for p in read_prompts(path)] == ["caf\u00e9"]
+
+
+def test_an_unwritable_run_folder_keeps_the_results(run, prompts, capsys, monkeypatch):
+    """Kaggle's /kaggle/input is read-only: the generated answers are printed, the report skipped with a warning."""
+    make_read_only(run, monkeypatch)
+    before = files(run)
+    try:
+        with one_thread():
+            code = main(["compare", str(run), "--prompts", str(prompts), "--checkpoints", "final",
+                         "--max-new-tokens", "4"])
+    finally:
+        run.chmod(0o755)
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "[1] 3 plus 4" in out and "final" in out and out.strip().endswith("report: not written (see the warning "
+                                                                             "above)")
+    assert "the results are only printed" in err and "Traceback" not in err
+    assert files(run) == before

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from support.trained_run import copy_run, finished_run, one_thread, train_run
@@ -156,3 +158,52 @@ def test_best_survives_retention_across_a_kill_and_resume(tmp_path, tiny_model, 
     assert best["step"] <= 8  # found before the kill, so protected by the first session only
     assert (run / "checkpoints" / f"step-{best['step']}").is_dir()
     assert read_manifest(run / "best")["step"] == best["step"]
+
+
+def test_the_quarantine_list_of_a_data_file_outlives_eval(run, tmp_path, capsys):
+    """The message named a list in a temporary folder that eval deleted on exit; it now names a file
+    in the run folder (RUN/eval-data/...), there after eval ends, listing the bad line."""
+    good = [json.dumps({"messages": [{"role": "user", "content": f"{i} times 2"},
+                                     {"role": "assistant", "content": str(2 * i)}]}) for i in range(120)]
+    data = tmp_path / "nonutf8.jsonl"
+    # one bad line in 121: under max_bad_fraction (0.01), so eval warns and goes on
+    data.write_bytes("\n".join(good[:3]).encode() + b'\n{"text": "caf\xe9 \xff"}\n' + "\n".join(good[3:]).encode())
+    with one_thread():
+        assert main(["eval", str(run), "--checkpoints", "final", "--no-base", "--data", str(data)]) == 0
+    err = capsys.readouterr().err
+    listed = Path(re.search(r"listed in (\S+quarantine-eval_dataset\.jsonl)", err).group(1))
+    assert listed.is_file() and run in listed.parents, err
+    entries = [json.loads(line) for line in listed.read_text().splitlines()]
+    assert len(entries) == 1 and entries[0]["where"].endswith("nonutf8.jsonl:4"), entries
+    assert sorted(p.name for p in listed.parent.iterdir()) == [listed.name]  # not the training data's list
+    assert not (run / "quarantine-eval_dataset.jsonl").exists()  # the run's own lists untouched
+
+
+def test_too_many_bad_lines_stop_with_a_list_that_exists(run, tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b"\xff\xfe not json\n" * 4)
+    assert main(["eval", str(run), "--checkpoints", "final", "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    listed = Path(re.search(r"listed in (\S+quarantine-eval_dataset\.jsonl)", err).group(1))
+    assert "Traceback" not in err and listed.is_file() and len(listed.read_text().splitlines()) == 4, err
+
+
+def test_a_checkpoint_folder_is_evaluated_as_that_checkpoint_of_its_run(run, capsys):
+    """`relaytune eval RUN/checkpoints/step-4` said no configuration was found: the folder holds a
+    metrics.jsonl, so it passed for a run, and the configuration lives in the run."""
+    with one_thread():
+        assert main(["eval", str(run / "checkpoints" / "step-4"), "--no-base"]) == 0
+    out = capsys.readouterr()
+    names = [ln.split()[0] for ln in out.out.splitlines()[1:] if ln and not ln.startswith("*")]
+    assert names == ["step-4"] and "is step-4 of the run in" in out.err
+    assert main(["eval", str(run / "checkpoints" / "step-4"), "--checkpoints", "step-8"]) == 2
+    assert "--checkpoints names step-8" in capsys.readouterr().err
+
+
+def test_a_url_given_as_data_is_refused_without_its_credentials():
+    from relaytune.commands.evaluate import eval_rows
+    from relaytune.errors import UserError
+
+    with pytest.raises(UserError) as caught:
+        eval_rows(None, None, "https://user:SECRETPW@example.com/d.jsonl?token=SECRETQ")
+    assert str(caught.value) == "--data: https://example.com/d.jsonl not found; give a local file"

@@ -145,3 +145,21 @@ def test_every_exported_file_follows_the_umask(run, tmp_path, mask):
         modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in files}
         assert "model.safetensors" in modes or folder == "adapter"
         assert set(modes.values()) == {0o666 & ~mask}, modes
+
+
+def test_a_checkpoint_folder_exports_that_checkpoint(run, tmp_path, capsys):
+    """`relaytune export RUN/checkpoints/step-4` said no configuration was found: the folder holds a
+    metrics.jsonl, so it passed for a run, and the configuration lives in the run."""
+    step4 = run / "checkpoints" / "step-4"
+    assert main(["export", str(step4), "--out", str(tmp_path / "x")]) == 0
+    assert json.loads((tmp_path / "x" / export.EXPORT_INFO).read_text())["adapter"] == "step-4"
+    adapter = "adapter_model.safetensors"
+    assert (tmp_path / "x" / adapter).read_bytes() == (step4 / adapter).read_bytes()
+    assert f"is step-4 of the run in {run}" in capsys.readouterr().err
+    assert main(["export", str(run / "final"), "--out", str(tmp_path / "f")]) == 0
+    assert json.loads((tmp_path / "f" / export.EXPORT_INFO).read_text())["adapter"] == "final"
+    assert main(["export", str(step4), "--checkpoint", "step-8", "--out", str(tmp_path / "y")]) == 2
+    assert "--checkpoint names step-8" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    shutil.copytree(step4, tmp_path / "loose")  # a checkpoint copied out of its run
+    assert main(["export", str(tmp_path / "loose"), "--out", str(tmp_path / "z")]) == 2
+    assert "outside a run folder" in capsys.readouterr().err

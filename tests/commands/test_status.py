@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 import pytest
 from conftest import chat_rows, make_config, write_jsonl
 from support.gate import Gate
+from support.read_only import files, make_read_only
 from support.trained_run import copy_run, finished_run
 
 from relaytune.cli import main
@@ -157,3 +159,57 @@ def test_plot_has_title_log_scale_warmup_and_checkpoint_markers(tmp_path_factory
     finally:
         status_mod.plot_figure = real
     assert seen["title"] == "run: step 12 / 12" and seen["warmup"] == 3 and seen["checkpoints"] == [4, 8]
+
+
+def test_status_refuses_a_checkpoint_or_final_and_never_writes_into_it(tmp_path_factory, tiny_model, tmp_path,
+                                                                        capsys):
+    """A checkpoint holds metrics.jsonl, so status took it for a run and wrote its plot there: the next
+    resume then rejected the checkpoint (a file its manifest does not list) and lost its steps."""
+    import shutil
+
+    from support.trained_run import BASE, one_thread
+
+    import relaytune.training.recipe
+
+    shared = finished_run(tmp_path_factory, tiny_model)
+    run = copy_run(shared, tmp_path / "run")
+    (tmp_path / "empty").mkdir()
+    cases = {run / "checkpoints" / "step-4": "is checkpoint step-4 of the run in",
+             run / "final": "is the final adapter (final/) of the run in",
+             run / "checkpoints": "is the checkpoints folder of the run in"}
+    for folder, says in cases.items():
+        before = files(folder)
+        assert main(["status", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and f"use `relaytune status {run}`" in err and "Traceback" not in err
+        assert files(folder) == before
+    assert main(["status", str(tmp_path / "empty")]) == 2
+    assert "does not look like a relaytune run" in capsys.readouterr().err
+    assert list((tmp_path / "empty").iterdir()) == []
+    # the checkpoint is still the one a resume continues from
+    shutil.rmtree(run / "final")
+    for step in (8, 12):
+        shutil.rmtree(run / "checkpoints" / f"step-{step}", ignore_errors=True)
+    with one_thread():
+        relaytune.training.recipe.train({**BASE, "model": str(tiny_model), "dataset": str(shared.parent / "data.jsonl"),
+                                         "output_dir": str(run)})
+    assert read_sessions(run)[-1].from_step == 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if "." in p.name) == []  # nothing set aside
+
+
+def test_status_of_a_read_only_run_folder_prints_the_report_without_the_plot(tmp_path_factory, tiny_model, tmp_path,
+                                                                              capsys, monkeypatch):
+    """Kaggle's /kaggle/input is read-only: the report still prints; the plot is skipped with one warning."""
+    pytest.importorskip("matplotlib")
+    run = copy_run(finished_run(tmp_path_factory, tiny_model), tmp_path / "run")
+    make_read_only(run, monkeypatch)
+    before = files(run)
+    try:
+        assert main(["status", str(run)]) == 0
+    finally:
+        run.chmod(0o755)
+    out, err = capsys.readouterr()
+    assert "state    finished" in out and "12 / 12" in out and "step-4" in out and "plot " not in out
+    [line] = [ln for ln in err.splitlines() if "training_plot.png" in ln]
+    assert "cannot write" in line and os.strerror(errno.EROFS if os.geteuid() == 0 else errno.EACCES) in line
+    assert files(run) == before

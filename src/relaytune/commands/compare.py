@@ -11,7 +11,9 @@ training rows did.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import os
 import shutil
 import textwrap
 import time
@@ -19,8 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relaytune import atomic
+from relaytune.atomic import MANIFEST
+from relaytune.commands.run_folder import run_folder
 from relaytune.errors import UserError
-from relaytune.run_dir import RunDir, load_adapter_slot, put_adapter, run_config, run_dir, select
+from relaytune.log import warn
+from relaytune.run_dir import RunDir, load_adapter_slot, put_adapter, run_config, select
 
 DESCRIPTION = ("Generate from the base model and each chosen checkpoint on the same prompts, with the run's "
                "chat template; side by side in the terminal and in a Markdown report. Greedy unless "
@@ -48,7 +53,7 @@ def run(args: argparse.Namespace) -> None:
     d = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.repetition_penalty, args.seed)
     result = compare_run(args.run_dir, args.prompts, args.checkpoints, d, args.report, args.config)
     print(side_by_side(result))
-    print(f"report: {result.report}")
+    print(f"report: {result.report}" if result.report else "report: not written (see the warning above)")
 
 
 @dataclass
@@ -85,7 +90,7 @@ class Comparison:
     prompts: list[Prompt]
     outputs: dict[str, list[str]]  # model name -> one output per prompt
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {exact, contains}
-    report: Path | None = None
+    report: Path | None = None  # None: not written (an unwritable place); the results were printed
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
@@ -93,7 +98,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--prompts: {p} not found")
-    lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines = [ln for ln in _read_text(p).splitlines() if ln.strip()]
     if p.suffix not in (".jsonl", ".json"):
         return [Prompt([{"role": "user", "content": ln}]) for ln in lines]
     prompts = []
@@ -123,17 +128,36 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+def _read_text(p: Path) -> str:
+    """The file as text; a UserError naming the file, the line and the byte where it is not UTF-8."""
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise UserError(f"--prompts: cannot read {p} ({e.strerror or e})") from None
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw.decode("utf-8-sig")  # an editor's UTF-8 byte order mark is not part of the first prompt
+    except UnicodeDecodeError as e:
+        at = bom + e.start
+        line = raw.count(b"\n", 0, at) + 1
+        utf16 = raw[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+        raise UserError(f"--prompts: {p}:{line}: not UTF-8 text (byte {raw[at]:#04x} at offset {at})"
+                        + ("; it looks like UTF-16: save it as UTF-8" if utf16 else "")) from None
+
+
 def compare_run(run: str | Path, prompts_file: str | Path, checkpoints: str | None = None,
                 decoding: Decoding | None = None, report: str | Path | None = None,
                 config: str | None = None) -> Comparison:
     from relaytune.data.templates import resolve
 
-    out = run_dir(run)
+    out = run_folder(run, "compare", option="--checkpoints")
     cfg = run_config(out, config)
     decoding = decoding or Decoding()
     decoding.check()
     prompts = read_prompts(prompts_file)
     refs = select(out, checkpoints)
+    # Checked before the model loads: minutes of generation must not end in a report that cannot be written.
+    path = report_path(out, report)
     model, tokenizer, precision = load_adapter_slot(cfg)
     model.config.use_cache = True  # training turns the KV cache off; generation wants it
     template = resolve(cfg.chat_template, tokenizer)
@@ -144,11 +168,53 @@ def compare_run(run: str | Path, prompts_file: str | Path, checkpoints: str | No
         put_adapter(model, ref)
         outputs[ref.name] = [generate_answer(model, tokenizer, template, p, decoding, precision) for p in prompts]
     result = Comparison(prompts, outputs, score(prompts, outputs))
-    path = Path(report) if report else RunDir(out).compare_report(time.strftime("%Y%m%d-%H%M%S"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.replace_file(path, markdown(result, cfg, decoding, refs, template.name))
-    result.report = path
+    if path is not None:
+        result.report = write_report(path, markdown(result, cfg, decoding, refs, template.name))
     return result
+
+
+def report_path(out: Path, report: str | Path | None) -> Path | None:
+    """Where the report will go. An explicit --report that cannot be written is refused (it was asked for);
+    the default one in a run folder that cannot be written (Kaggle's read-only /kaggle/input) is skipped
+    with a warning: the results are printed anyway. None: no report."""
+    if report:
+        path = Path(report).expanduser()
+        problem = unwritable(path)
+        if problem:
+            raise UserError(f"--report {report}: {problem}")
+        return path
+    path = RunDir(out).compare_report(time.strftime("%Y%m%d-%H%M%S"))
+    problem = unwritable(path)
+    if problem:
+        warn(f"no report: {problem}; the results are only printed (--report PATH writes one elsewhere)")
+        return None
+    return path
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the file `path` could not be written, found without writing anything; None if it looks writable."""
+    if path.is_dir():
+        return f"{path} is a folder; give a file path such as {path / 'compare.md'}"
+    parent = next(p for p in path.absolute().parents if p.exists())  # folders still missing are created
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    # A file added to a committed folder is not in its manifest: the next resume would set it aside.
+    if (path.parent / MANIFEST).is_file():
+        return f"{path.parent} is a committed adapter folder (it holds {MANIFEST}); nothing may be added to it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot write in {parent} (read-only or no permission)"
+    return None
+
+
+def write_report(path: Path, text: str) -> Path | None:
+    """The report written, or None with a warning: a late failure (a full disk) must not lose the results."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.replace_file(path, text)
+    except OSError as e:
+        warn(f"cannot write the report {path} ({e.strerror or e}); the results are only printed")
+        return None
+    return path
 
 
 def prompt_ids(tokenizer, template, messages: list[dict]) -> list[int]:

@@ -25,9 +25,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaytune import atomic
+from relaytune.config.urls import is_url
 from relaytune.errors import UserError
 from relaytune.log import info, notice, warn
-from relaytune.run_dir import ADAPTER, RunDir, load_adapter_slot, put_adapter, run_config, run_dir, select
+from relaytune.redact import redact_url
+from relaytune.run_dir import (
+    ADAPTER,
+    STEP_DIR,
+    RunDir,
+    load_adapter_slot,
+    put_adapter,
+    run_config,
+    run_dir,
+    select,
+)
+
+EVAL_DATA = "eval-data"  # RUN/eval-data/<file stem>-<hash>/: what reading a --data file lists (its bad rows)
 
 DESCRIPTION = ("Eval loss and perplexity of each committed checkpoint and final/, on the run's eval split or "
                "a given file, with training's own data pipeline and masks. Cached in RUN_DIR/eval_cache.json "
@@ -37,7 +50,7 @@ DESCRIPTION = ("Eval loss and perplexity of each committed checkpoint and final/
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval", help="eval loss and perplexity of each checkpoint (cached)",
                               description=DESCRIPTION)
-    p.add_argument("run_dir", help="the run's output_dir")
+    p.add_argument("run_dir", help="the run's output_dir, or one checkpoint's folder (RUN/checkpoints/step-N)")
     p.add_argument("--checkpoints", help="comma list of step-N, final, best, latest (default: all)")
     p.add_argument("--data", help="a data file to evaluate on instead of the run's eval split")
     p.add_argument("--config", help="the run's config file, if no checkpoint holds it")
@@ -69,7 +82,8 @@ def evaluate_run(run: str | Path, checkpoints: str | None = None, data: str | No
     from relaytune.training.evaluation import eval_loss  # torch: imported only to evaluate
     from relaytune.training.speedups import batch_width
 
-    out = run_dir(run)
+    out, checkpoints = adapter_path_as_run(run, checkpoints, "--checkpoints")
+    out = run_dir(out)
     cfg = run_config(out, config)
     refs = select(out, checkpoints)
     cache = _read_cache(out)
@@ -113,8 +127,6 @@ def evaluate_run(run: str | Path, checkpoints: str | None = None, data: str | No
 def eval_rows(cfg, tokenizer, data: str | None):
     """The run's eval split, or a given file, through training's own pipeline (reading,
     chat template, masks, truncation, packing)."""
-    import tempfile
-
     from relaytune.data import prepare_data
 
     if data is None:
@@ -123,17 +135,72 @@ def eval_rows(cfg, tokenizer, data: str | None):
             raise UserError("the run has no eval split (neither eval_dataset nor val_set_size is set); "
                             "pass --data FILE")
         return rows, "the run's eval split"
-    if not Path(data).exists():
-        raise UserError(f"--data: {data} not found")
-    # The file as the run's eval_dataset. No cache and a scratch output_dir: evaluating
-    # must not replace the run's tokenized-data cache or its quarantine lists.
-    with tempfile.TemporaryDirectory(prefix="relaytune-eval-") as scratch:
+    if not Path(data).exists():  # shown without a URL's credentials, should one be typed here
+        raise UserError(f"--data: {redact_url(data)} not found" + ("; give a local file" if is_url(data) else ""))
+    # The file as the run's eval_dataset. No cache and an output_dir of its own: evaluating must not
+    # replace the run's tokenized-data cache or its quarantine lists, but the list of the file's bad
+    # rows that the messages point to must outlive this process (a temporary folder did not).
+    scratch = _data_folder(Path(cfg.output_dir), Path(data))  # the run folder (run_config sets it)
+    try:
         as_eval = cfg.model_copy(update={"eval_dataset": str(data), "dataset_cache": False,
-                                         "output_dir": scratch})
+                                         "output_dir": str(scratch)})
         rows = prepare_data(as_eval, tokenizer).eval
+    finally:
+        _keep_only_the_list(scratch)
     if not rows:
         raise UserError(f"--data: no usable rows in {data}")
     return rows, str(data)
+
+
+def _data_folder(run: Path, data: Path) -> Path:
+    """RUN/eval-data/<file stem>-<hash of its path>/ (one per file: two evals never share a list), else, in a
+    run folder that cannot be written (a read-only mirror copy), a kept folder in the system's temp."""
+    import tempfile
+
+    tag = hashlib.sha256(str(data.expanduser().resolve()).encode()).hexdigest()[:8]
+    folder = run / EVAL_DATA / f"{data.stem}-{tag}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix=f"relaytune-eval-{data.name}-"))
+
+
+def _keep_only_the_list(folder: Path) -> None:
+    """Keep the --data file's quarantine list; drop the training data's (not this eval's business) and
+    the folders, once empty."""
+    from relaytune.data.assemble import EVAL_QUARANTINE
+
+    try:
+        for p in folder.iterdir():
+            if p.name != EVAL_QUARANTINE and p.is_file():
+                p.unlink()
+        folder.rmdir()  # fails, as it should, while the list is there
+        if folder.parent.name == EVAL_DATA:
+            folder.parent.rmdir()
+    except OSError:
+        pass
+
+
+def adapter_path_as_run(path: str | Path, names: str | None, option: str) -> tuple[Path, str | None]:
+    """(run folder, adapter names): a checkpoint's own folder (RUN/checkpoints/step-N, RUN/final,
+    RUN/best) given where the run folder belongs means that adapter of its run. Such a folder holds a
+    metrics.jsonl, so it passed for a run and then failed on the configuration, which lives in the run."""
+    p = Path(path).expanduser().resolve()
+    if not (p / atomic.MANIFEST).is_file() or not (p / ADAPTER).is_file():
+        return Path(path), names
+    if STEP_DIR.match(p.name) and p.parent.name == "checkpoints":
+        run = p.parent.parent
+    elif p.name in ("final", "best"):
+        run = p.parent
+    else:
+        raise UserError(f"{path} is a checkpoint folder outside a run folder; relaytune reads an adapter within "
+                        "its run (RUN holding checkpoints/step-N, final/): pass the run folder")
+    if names and names.strip() not in (p.name, p.name.removeprefix("step-")):
+        raise UserError(f"`{path}` is {p.name} of the run in {run}, and {option} names {names}; use "
+                        f"`{run} {option} {names}` or the checkpoint's folder alone")
+    info(f"{path} is {p.name} of the run in {run}: using that")
+    return run, p.name
 
 
 def rows_fingerprint(rows) -> str:

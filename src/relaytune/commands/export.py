@@ -14,7 +14,11 @@ result is neither the trained model nor reproducible; a run trained with
 load_in_4bit is therefore merged into the unquantized base (with a note), and a
 base that is only available pre-quantized is refused with what to do instead.
 The disk is checked before anything is written; the folder appears only when
-complete (written beside it, then renamed).
+complete (written beside it, then renamed). What a killed export left beside it is
+removed by the next export into the same folder.
+
+RUN_DIR may also be a checkpoint's own folder (RUN/checkpoints/step-4, RUN/final,
+RUN/best): that adapter of its run is exported.
 """
 
 from __future__ import annotations
@@ -82,16 +86,13 @@ class GgufRequest:
 def export_run(run: str | Path, out: str | Path, checkpoint: str | None = None, merge: bool = False,
                max_shard_size: str = "5GB", dtype: str = "auto", base: str | None = None,
                config: str | None = None, gguf: GgufRequest = GgufRequest()) -> Path:
-    src_run = run_dir(run)
+    from relaytune.commands.evaluate import adapter_path_as_run
+
+    src_run, checkpoint = adapter_path_as_run(run, checkpoint, "--checkpoint")
+    src_run = run_dir(src_run)
     cfg = run_config(src_run, config)
     ref = named(src_run, checkpoint or _default(src_run))
-    target = Path(out).expanduser().resolve()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise UserError(f"--out: {target} already exists and is not empty; choose a new folder")
-    layout = RunDir(src_run)
-    owned = [layout.checkpoints, layout.final, layout.best]
-    if target == src_run or any(target == d or d in target.parents for d in owned):
-        raise UserError(f"--out: {target} is inside the run's own folders; choose another place")
+    target = _check_target(src_run, out)
     if base:
         cfg = cfg.model_copy(update={"model": base})
     bad = [t for t in gguf.types if t not in GGUF_TYPES]
@@ -104,15 +105,14 @@ def export_run(run: str | Path, out: str | Path, checkpoint: str | None = None, 
     template = resolve(cfg.chat_template, tokenizer)
     if template.text is not None:  # ship the template training used, e.g. chat_template: chatml
         tokenizer.chat_template = template.text
-    tmp = atomic.tmp_path(target.parent, f"export-{target.name}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    remove_stale_exports(target.parent)  # before the disk check: a killed merge may hold gigabytes
+    with atomic.held_tmp_folder(target.parent, f"export-{target.name}") as tmp:
         if merge:
             _merged(cfg, ref, tmp, target, tokenizer, max_shard_size, dtype)
         else:
             need = sum((ref.path / f).stat().st_size for f in ADAPTER_FILES)
             check_free_space(target.parent, need)
-            tmp.mkdir()
             for f in ADAPTER_FILES:
                 shutil.copyfile(ref.path / f, tmp / f)
             tokenizer.save_pretrained(tmp)
@@ -125,10 +125,34 @@ def export_run(run: str | Path, out: str | Path, checkpoint: str | None = None, 
         if target.exists():
             target.rmdir()  # empty (checked above)
         atomic.publish(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     info(f"exported {ref.name} ({'merged model' if merge else 'adapter'}) to {target}")
     return target
+
+
+def _check_target(src_run: Path, out: str | Path) -> Path:
+    """--out as an absolute path: a new or empty folder outside the run's own folders."""
+    target = Path(out).expanduser().resolve()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UserError(f"--out: {target} already exists and is not empty; choose a new folder")
+    layout = RunDir(src_run)
+    owned = [layout.checkpoints, layout.final, layout.best]
+    if target == src_run or any(target == d or d in target.parents for d in owned):
+        raise UserError(f"--out: {target} is inside the run's own folders; choose another place")
+    return target
+
+
+def remove_stale_exports(parent: Path) -> None:
+    """Remove what earlier exports into `parent` left when killed (a merge's temp folder is the size of
+    the model); a running export's own folder is locked, so it stays (atomic.held_tmp_folder)."""
+    removed, unsure = atomic.clean_stale_tmp(parent, "export")
+    if removed:
+        size = sum(n for _, n in removed)
+        info(f"removed {len(removed)} unfinished folder(s) of an earlier, interrupted export in {parent} "
+             f"({size / 2 ** 20:.1f} MiB freed): {', '.join(p.name for p, _ in removed)}")
+    if unsure:
+        notice(f"{', '.join(p.name for p in unsure)} in {parent}: unfinished export folder(s); this filesystem "
+               "cannot tell whether an export still writes them, so they were kept. Remove them once no "
+               "export is running")
 
 
 def _write_gguf(cfg, ref: AdapterRef, folder: Path, name: str, gguf: GgufRequest) -> None:

@@ -2,7 +2,8 @@
 
 Only reads what training writes (metrics.jsonl, sessions.jsonl, progress.json,
 checkpoint manifests, mirror_state.json), tolerating a torn last line or a
-checkpoint pruned while we look. It writes one thing: the plot PNG. No torch.
+checkpoint pruned while we look. It writes one thing: the plot PNG, in the run folder
+(never in a checkpoint, final/ or best/), skipped with a warning where that folder is read-only. No torch.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 
 from relaytune import atomic
 from relaytune.atomic import MANIFEST, read_manifest, verify
+from relaytune.commands.run_folder import run_folder
+from relaytune.log import warn
 from relaytune.observe.metrics import read_records
 from relaytune.observe.progress import read_progress
-from relaytune.run_dir import ADAPTER, AdapterRef, RunDir, run_dir, saved_config, step_checkpoints
+from relaytune.run_dir import ADAPTER, AdapterRef, RunDir, saved_config, step_checkpoints
 
 BARS = "▁▂▃▄▅▆▇█"
 DESCRIPTION = ("Where a run stands, from any shell, also while it trains: steps and ETA, checkpoints (size, "
@@ -87,7 +90,7 @@ class RunStatus:
 
 
 def run_status(run: str | Path, check_files: bool = True, plot: bool = True) -> RunStatus:
-    out = run_dir(run)
+    out = run_folder(run, "status")  # never a checkpoint: a plot written there would invalidate it
     layout = RunDir(out)
     records = read_records(layout.metrics)
     train = [r for r in records if "loss" in r and "event" not in r and isinstance(r.get("step"), int)]
@@ -111,8 +114,11 @@ def run_status(run: str | Path, check_files: bool = True, plot: bool = True) -> 
                    checkpoints(out, records, state, check_files, total), sessions, _mirror(out), records)
     if plot:
         config = state.get("config") or {}
-        st.plot = write_plot(records, layout.plot, title=f"{out.name}: step {step} / {total if total else '?'}",
-                             warmup=_warmup(config, total), checkpoints=committed)
+        try:
+            st.plot = write_plot(records, layout.plot, title=f"{out.name}: step {step} / {total if total else '?'}",
+                                 warmup=_warmup(config, total), checkpoints=committed)
+        except OSError as e:  # a read-only run folder (Kaggle's /kaggle/input) still gets its report
+            warn(f"cannot write {layout.plot} ({e.strerror or e}); no plot this time (--no-plot skips it)")
     return st
 
 
