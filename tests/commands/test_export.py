@@ -7,7 +7,7 @@ import shutil
 from collections import namedtuple
 
 import pytest
-from support.trained_run import finished_run, one_thread
+from support.trained_run import copy_run, finished_run, one_thread
 
 from relaytune.atomic import TMP_PREFIX
 from relaytune.cli import main
@@ -163,3 +163,8 @@ def test_a_checkpoint_folder_exports_that_checkpoint(run, tmp_path, capsys):
     shutil.copytree(step4, tmp_path / "loose")  # a checkpoint copied out of its run
     assert main(["export", str(tmp_path / "loose"), "--out", str(tmp_path / "z")]) == 2
     assert "outside a run folder" in capsys.readouterr().err
+    copy = copy_run(run, tmp_path / "copy")  # a checkpoint that a resume set aside: no adapter to take
+    aside = copy / "checkpoints" / "step-4.invalid-1700000000"
+    (copy / "checkpoints" / "step-4").rename(aside)
+    assert main(["export", str(aside), "--out", str(tmp_path / "w")]) == 2
+    assert f"is checkpoint step-4 set aside of the run in {copy}, not one adapter" in capsys.readouterr().err

@@ -25,20 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaytune import atomic
+from relaytune.commands.run_folder import inner_folder
 from relaytune.config.urls import is_url
 from relaytune.errors import UserError
 from relaytune.log import info, notice, warn
 from relaytune.redact import redact_url
-from relaytune.run_dir import (
-    ADAPTER,
-    STEP_DIR,
-    RunDir,
-    load_adapter_slot,
-    put_adapter,
-    run_config,
-    run_dir,
-    select,
-)
+from relaytune.run_dir import ADAPTER, RunDir, load_adapter_slot, put_adapter, run_config, run_dir, select
 
 EVAL_DATA = "eval-data"  # RUN/eval-data/<file stem>-<hash>/: what reading a --data file lists (its bad rows)
 
@@ -185,22 +177,23 @@ def _keep_only_the_list(folder: Path) -> None:
 def adapter_path_as_run(path: str | Path, names: str | None, option: str) -> tuple[Path, str | None]:
     """(run folder, adapter names): a checkpoint's own folder (RUN/checkpoints/step-N, RUN/final,
     RUN/best) given where the run folder belongs means that adapter of its run. Such a folder holds a
-    metrics.jsonl, so it passed for a run and then failed on the configuration, which lives in the run."""
+    metrics.jsonl, so it passed for a run and then failed on the configuration, which lives in the run.
+    What a folder inside a run is, `run_folder.inner_folder` tells, as it does for status and compare."""
     p = Path(path).expanduser().resolve()
-    if not (p / atomic.MANIFEST).is_file() or not (p / ADAPTER).is_file():
+    found = inner_folder(p) if p.is_dir() else None
+    if found is None:
         return Path(path), names
-    if STEP_DIR.match(p.name) and p.parent.name == "checkpoints":
-        run = p.parent.parent
-    elif p.name in ("final", "best"):
-        run = p.parent
-    else:
-        raise UserError(f"{path} is a checkpoint folder outside a run folder; relaytune reads an adapter within "
-                        "its run (RUN holding checkpoints/step-N, final/): pass the run folder")
-    if names and names.strip() not in (p.name, p.name.removeprefix("step-")):
-        raise UserError(f"`{path}` is {p.name} of the run in {run}, and {option} names {names}; use "
+    what, run, adapter = found
+    if run is None:
+        raise UserError(f"{path} is {what} outside a run folder; relaytune reads an adapter within its run "
+                        "(RUN holding checkpoints/step-N, final/): pass the run folder")
+    if adapter is None:
+        raise UserError(f"{path} is {what} of the run in {run}, not one adapter; use `{run}` ({option} picks one)")
+    if names and names.strip() not in (adapter, adapter.removeprefix("step-")):
+        raise UserError(f"`{path}` is {adapter} of the run in {run}, and {option} names {names}; use "
                         f"`{run} {option} {names}` or the checkpoint's folder alone")
-    info(f"{path} is {p.name} of the run in {run}: using that")
-    return run, p.name
+    info(f"{path} is {adapter} of the run in {run}: using that")
+    return run, adapter
 
 
 def rows_fingerprint(rows) -> str:

@@ -4,6 +4,8 @@ A checkpoint holds metrics.jsonl, so `run_dir` takes it for a run; a command tha
 there (status's plot, compare's report) adds a file that its manifest does not list, and the next
 resume sets the checkpoint aside as invalid: committed work lost. So a checkpoint, final/, best/,
 an unfinished save or any committed folder is refused with the command that reads its run.
+`eval` and `export`, which write nothing there, read the same answer (`inner_folder`) as "that
+adapter of its run".
 """
 
 from __future__ import annotations
