@@ -80,3 +80,18 @@ def as_sources(dataset: str | list) -> list[DatasetSource]:
     """The `dataset` setting as a list of sources (a plain string is one source, weight 1)."""
     items = dataset if isinstance(dataset, list) else [dataset]
     return [DatasetSource(path=i) if isinstance(i, str) else i for i in items]
+
+
+def written_paths(key: str, value) -> list[tuple[int | None, str]]:
+    """(index in a `dataset` list, or None for a plain value; the path) of each path a data or path
+    setting's raw value holds, for checks that run before validation (URLs, where each was written)."""
+    if isinstance(value, str):
+        return [(None, value)]
+    if key != "dataset" or not isinstance(value, list):
+        return []
+    found = []
+    for i, item in enumerate(value):
+        path = item.get("path") if isinstance(item, dict) else getattr(item, "path", item)
+        if isinstance(path, str):
+            found.append((i, path))
+    return found

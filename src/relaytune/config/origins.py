@@ -9,21 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from relaytune.config.datasets import written_paths
+
 _written: dict[str, tuple[str, str]] = {}  # path as resolved -> (key, "file:line" or "the override ...")
 _KEEP = 256  # a notebook loading configs in a loop must not grow this without bound
 
 
 def _paths(key: str, value: Any) -> list[tuple[str, str]]:
-    if isinstance(value, str):
-        return [(key, value)]
-    if key != "dataset" or not isinstance(value, list):
-        return []
-    out = []
-    for i, item in enumerate(value):
-        path = item.get("path") if isinstance(item, dict) else getattr(item, "path", item)
-        if isinstance(path, str):
-            out.append((f"{key}[{i}]" if len(value) > 1 else key, path))
-    return out
+    """(shown key, path): a `dataset` list entry is named by its index where the list has several."""
+    several = isinstance(value, list) and len(value) > 1
+    return [(f"{key}[{i}]" if i is not None and several else key, path) for i, path in written_paths(key, value)]
 
 
 def remember(raw: dict, where: dict[str, str]) -> None:

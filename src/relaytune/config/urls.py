@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from relaytune.config.datasets import written_paths
 from relaytune.errors import UserError
 from relaytune.redact import redact_url
 
@@ -41,16 +42,7 @@ def is_url(value: Any) -> bool:
 
 def _urls_in(key: str, value: Any) -> list[tuple[str, str]]:
     """(shown key, URL) of each URL that `key`'s value holds, `dataset` list entries included."""
-    if is_url(value):
-        return [(key, value)]
-    if key != "dataset" or not isinstance(value, list):
-        return []
-    found = []
-    for i, item in enumerate(value):
-        path = item.get("path") if isinstance(item, dict) else getattr(item, "path", item)
-        if is_url(path):
-            found.append((f"{key}[{i}]", path))
-    return found
+    return [(key if i is None else f"{key}[{i}]", path) for i, path in written_paths(key, value) if is_url(path)]
 
 
 def refuse_urls(raw: dict, where: dict[str, str]) -> None:
